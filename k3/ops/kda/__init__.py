@@ -1,0 +1,119 @@
+"""Kimi Delta Attention: one public entry point, `kda`, over interchangeable backends.
+
+Backends:
+    "reference": per-token recurrence (reference.py), the spec; float64-capable.
+    "torch":     chunked WY/UT form in plain PyTorch (chunk_torch.py); the CPU default.
+    "triton":    Triton chunked kernels (chunk.py); the CUDA default. Runs on CPU tensors
+                 under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.ops.kda.gate import kda_gate
+from k3.ops.kda.reference import kda_reference
+
+__all__ = ["kda", "kda_gate", "kda_reference", "l2norm"]
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + eps) over the last dim, computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, gate_fused: bool) -> None:
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K]; got {list(q.shape)} and {list(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V]; got {list(v.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must be [B, T, H, K] = {list(q.shape)}; got {list(g.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {list(beta.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1]")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, end at T={T} and be non-decreasing; got {cs}")
+        N = len(cs) - 1
+    if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={v.shape[-1]}]; got {list(initial_state.shape)}")
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked/recurrent KDA with fla's layout.
+
+    Args:
+        q, k: [B, T, H, K], L2-normalised unless `use_qk_l2norm_in_kernel`.
+        v: [B, T, H, V] (V may differ from K).
+        g: [B, T, H, K] log-decay; or, when `A_log` is given, the raw gate input f that
+            `kda_gate(f, A_log, dt_bias, lower_bound)` turns into the log-decay.
+        beta: [B, T, H] in (0, 1); or logits when `use_beta_sigmoid_in_kernel`.
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V] (N = B, or the number of packed sequences); fp32 preferred.
+        cu_seqlens: [N + 1] int, packed sequences in a B == 1 batch.
+        backend: "auto" | "reference" | "torch" | "triton".
+    Returns:
+        o: [B, T, H, V] in v's dtype; final_state [N, H, K, V] fp32 (None unless requested).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    gate_fused = A_log is not None
+    if not gate_fused and (dt_bias is not None or lower_bound is not None):
+        raise ValueError("dt_bias / lower_bound are only meaningful with A_log (in-kernel gate)")
+    if gate_fused and dt_bias is None:
+        raise ValueError("the in-kernel gate needs dt_bias together with A_log")
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate_fused)
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "triton":
+        from k3.ops.kda.chunk import chunk_kda
+
+        return chunk_kda(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, A_log=A_log,
+            dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        )
+    # Unfused backends: apply the optional prologue in PyTorch, then run the core.
+    if gate_fused:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float())
+    if backend == "reference":
+        o, s = kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                             dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return o, s
+    from k3.ops.kda.chunk_torch import chunk_kda_torch
+
+    return chunk_kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
