@@ -1,0 +1,143 @@
+"""`K3ForCausalLM`: the backbone plus the untied lm_head, checkpoint I/O, caches and log-probs."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3.config import K3Config
+from k3.model.cache import HybridCache
+from k3.model.common import KEEP_FP32
+from k3.model.kda import KDAttention
+from k3.model.model import K3Model, ResVector
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class CausalLMOutput:
+    """logits: [B, T, vocab] (fp32 when computed for a loss); loss: mean token cross-entropy or None;
+    hidden_states: {layer index: [B, T, d]} for the layers asked for."""
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor | None = None
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        tc = config.text_config
+        self.model = K3Model(tc)
+        self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                cache: HybridCache | None = None, hidden_state_layers: list[int] | None = None,
+                logits_to_keep: int = 0) -> CausalLMOutput:
+        """input_ids: [B, T] long (packed [1, total] with `cu_seqlens` [N+1]).
+        labels: [B, T] target ids aligned with the inputs (already shifted), -100 = ignore.
+        logits_to_keep: if > 0, only the last that many positions get logits (e.g. 1 for decoding).
+        """
+        h, hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens, cache=cache,
+                               hidden_state_layers=hidden_state_layers)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels must be {list(logits.shape[:2])}, got {list(labels.shape)}")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return CausalLMOutput(logits=logits, loss=loss, hidden_states=hidden)
+
+    def token_logprobs(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                       temperature: float = 1.0) -> torch.Tensor:
+        """log p(x_t | x_<t) for t >= 1 of each row: [B, T] fp32 with position 0 (and each packed
+        document's first token) set to 0. For RL and distillation."""
+        logits = self(input_ids, cu_seqlens=cu_seqlens).logits.float() / temperature
+        lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        if cu_seqlens is not None:
+            lp[0, cu_seqlens[:-1].long().clamp(max=input_ids.shape[1] - 1)] = 0.0
+        return lp
+
+    def new_cache(self, num_seqs: int, *, capacity: int = 256, absorb_mla: bool = True) -> HybridCache:
+        p = self.lm_head.weight
+        return HybridCache(self.config.text_config, num_seqs, dtype=p.dtype, device=p.device, capacity=capacity,
+                           absorb_mla=absorb_mla)
+
+    # ---- parameters --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> "K3ForCausalLM":
+        """Random initialisation for training from scratch (materialises a meta model on CPU)."""
+        if any(p.is_meta for p in self.parameters()):
+            self.to_empty(device="cpu")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(0 if seed is None else seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("res_norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("res_proj.weight"):
+                p.zero_()
+            elif p.dim() >= 2:
+                fan_in = p.shape[-1]
+                s = std if "conv1d" not in name else 1.0 / math.sqrt(fan_in)
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+        for m in self.modules():
+            if isinstance(m, KDAttention):
+                m.reset_kda_parameters()
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.zero_()
+        return self
+
+    def to_dtype(self, dtype: torch.dtype | str) -> "K3ForCausalLM":
+        """Cast to `dtype`, keeping the tensors the official math holds in fp32 (A_log, dt_bias, conv
+        weights, o_norm, router bias) in fp32."""
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(torch.float32 if getattr(t, KEEP_FP32, False) else dtype)
+        return self
+
+    def num_parameters(self) -> tuple[int, int]:
+        """(total, active per token) parameter counts, embeddings included."""
+        tc = self.config.text_config
+        total = sum(p.numel() for p in self.parameters())
+        routed = sum(p.numel() for n, p in self.named_parameters() if ".experts.w" in n)
+        return total, total - routed + routed * tc.num_experts_per_token // tc.num_experts
+
+    # ---- checkpoint I/O ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None, strict: bool = True) -> "K3ForCausalLM":
+        """Load an official-format checkpoint directory (sharded or single-file safetensors).
+
+        Builds the model on `meta` and streams tensors shard by shard into `device` (default CPU) as
+        `dtype` (default: the config's dtype), so peak host memory is about one model.
+        """
+        from k3.model.checkpoint import load_checkpoint
+
+        config = K3Config.load(path)
+        with torch.device("meta"):
+            model = cls(config)
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        load_checkpoint(model, path, dtype=dtype or DTYPES[config.dtype], device=device or "cpu", strict=strict)
+        return model
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
+        """Write the official layout: sharded safetensors + index + config.json (atomically)."""
+        from k3.model.checkpoint import save_checkpoint
+
+        save_checkpoint(self, self.config, path, **kwargs)
+
+
+__all__ = ["K3ForCausalLM", "CausalLMOutput", "ResVector"]

@@ -1,0 +1,88 @@
+"""Small building blocks shared by the K3 modules: RMSNorm, SiTU-GLU, Block Attention Residuals."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+KEEP_FP32 = "_k3_keep_fp32"
+
+
+def keep_fp32(p: nn.Parameter | torch.Tensor) -> nn.Parameter | torch.Tensor:
+    """Mark a parameter/buffer that the official checkpoint stores (and the math uses) in fp32."""
+    setattr(p, KEEP_FP32, True)
+    return p
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """KimiRMSNorm: normalise in fp32, cast to x's dtype, then multiply by the weight.
+
+    x: [..., D] any float dtype; weight: [D] or None. Returns x's dtype (the weight's dtype
+    promotes only when the weight is fp32 and x is not, as in the reference code).
+    """
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else (weight * y).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, fp32_weight: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        if fp32_weight:
+            keep_fp32(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def situ_glu(a: torch.Tensor, b: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
+    """SiTU-GLU: beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), in fp32, cast back to a's dtype.
+
+    a (gate), b (up): [..., I]. |output| < beta * beta_lin.
+    """
+    af, bf = a.float(), b.float()
+    act = beta * torch.tanh(af / beta) * torch.sigmoid(af) * (beta_lin * torch.tanh(bf / beta_lin))
+    return act.to(a.dtype)
+
+
+def glu_act(a: torch.Tensor, b: torch.Tensor, act: str, beta: float, beta_lin: float) -> torch.Tensor:
+    if act == "situ":
+        return situ_glu(a, b, beta, beta_lin)
+    return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+
+class GLUMLP(nn.Module):
+    """gate/up/down MLP with the SiTU (or SiLU) GLU: the dense layer-0 MLP and the fused shared experts."""
+
+    def __init__(self, hidden: int, inter: int, act: str, beta: float, beta_lin: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act, self.beta, self.beta_lin = act, beta, beta_lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.beta_lin))
+
+
+def attn_res_mix(candidates: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Softmax-weighted mix of candidate streams (completed block sums + running prefix).
+
+    candidates: m+1 tensors [..., d]; w_norm: [d]; w_proj: [1, d] or [d].
+    logit_i = sum_c rmsnorm(V_i)[c] * w_norm[c] * w_proj[c]; p = softmax_i(logit); mix = sum_i p_i V_i.
+    Everything in fp32; returns the candidates' dtype.
+    """
+    if len(candidates) == 1:
+        return candidates[0]
+    w = w_norm.float() * w_proj.float().reshape(-1)
+    V = torch.stack([c.float() for c in candidates])  # [n, ..., d]
+    keys = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)
+    p = torch.softmax(keys @ w, dim=0)  # [n, ...]
+    return (p.unsqueeze(-1) * V).sum(0).to(candidates[-1].dtype)

@@ -1,0 +1,121 @@
+"""The KDA (Kimi Delta Attention) mixer layer of K3."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from k3.config import TextConfig
+from k3.model.cache import HybridCache, SeqLayout
+from k3.model.common import keep_fp32, rms_norm
+from k3.ops.kda import kda
+
+
+def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
+                     tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv (no bias) followed by SiLU, with per-sequence history.
+
+    x: [B, T, C] (rows, or packed [1, total] when layout.cu_seqlens is set); weight: [C, 1, W] fp32,
+    tap W-1 multiplies the current token; tail: [N, W-1, C] previous inputs (zeros = sequence start)
+    or None. Returns (SiLU(conv(x)) in x's dtype, new tail [N, W-1, C] = last W-1 inputs per sequence).
+    The conv is evaluated in fp32.
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    w = weight.reshape(C, W).float()
+    N = layout.num_seqs
+    if tail is None:
+        tail = x.new_zeros(N, W - 1, C)
+    if layout.cu_seqlens is None:
+        ext = torch.cat([tail.to(x.dtype), x], dim=1).float()  # [B, W-1+T, C]
+        y = sum(ext[:, j: j + T] * w[:, j] for j in range(W))
+        new_tail = ext[:, T:].to(x.dtype)
+        return torch.nn.functional.silu(y).to(x.dtype), new_tail
+    # Packed: source rows are the T packed tokens followed by every sequence's W-1 tail rows.
+    src = torch.cat([x[0], tail.reshape(N * (W - 1), C).to(x.dtype)], dim=0).float()
+    seq, pos = layout.token_seq_pos(T)
+    starts = layout.cu_seqlens.to(x.device, torch.long)
+
+    def index(s: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        # virtual position p within sequence s (negative = inside the tail) -> row of `src`
+        return torch.where(p >= 0, starts[s] + p, T + s * (W - 1) + (W - 1) + p)
+
+    y = sum(src[index(seq, pos - (W - 1 - j))] * w[:, j] for j in range(W))
+    n = torch.arange(N, device=x.device)
+    p_tail = layout.new_lens[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]
+    new_tail = src[index(n[:, None].expand_as(p_tail), p_tail)].to(x.dtype)
+    return torch.nn.functional.silu(y).to(x.dtype)[None], new_tail
+
+
+class KDAttention(nn.Module):
+    """KDA mixer: q/k/v projections, short conv + SiLU, L2-normalised q/k, bounded forget gate,
+    beta = sigmoid(b_proj x), delta-rule recurrence, per-head gated RMSNorm, o_proj.
+
+    Input x: [B, T, d] (after input_layernorm). Output [B, T, d] in x's dtype.
+    """
+
+    def __init__(self, config: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        d = config.hidden_size
+        lin = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = H, K = lin.num_heads, lin.head_dim
+        self.lower_bound = lin.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        W = lin.short_conv_kernel_size
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * K, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
+        self.A_log = keep_fp32(nn.Parameter(torch.zeros(H)))
+        self.dt_bias = keep_fp32(nn.Parameter(torch.zeros(H * K)))
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = keep_fp32(nn.Parameter(torch.ones(K)))
+        self.g_proj = nn.Linear(d, H * K, bias=False)
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            keep_fp32(conv.weight)
+        self.kda_backend = "auto"
+
+    @torch.no_grad()
+    def reset_kda_parameters(self) -> None:
+        """Initial gate parameters: A_log = 0 and dt_bias spreading the initial per-step decay
+        log-uniformly over (1e-3, 1) nats, so channels start with memories from ~1 to ~1000 tokens.
+        (Moonshot's initialisation is not public; this is k3's choice.)"""
+        self.A_log.zero_()
+        if self.lower_bound is None:
+            decay = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), 0.0))
+            self.dt_bias.copy_(decay + torch.log(-torch.expm1(-decay)))  # inverse softplus
+        else:
+            frac = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), 0.0)) / -self.lower_bound
+            self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))  # logit
+
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        tail = cache.conv_tail[self.layer_idx] if cache is not None else None
+        qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
+        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
+        b = self.b_proj(x).float()
+        initial = cache.kda_state[self.layer_idx] if cache is not None else None
+        o, final = kda(
+            q, k, v, f, b, initial_state=initial, output_final_state=cache is not None,
+            cu_seqlens=layout.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
+        )
+        if cache is not None:
+            cache.kda_state[self.layer_idx] = final.float()
+            cache.conv_tail[self.layer_idx] = new_tail
+        gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, H, K)
+        o = (rms_norm(o.float(), self.o_norm.weight, self.eps) * gate).to(x.dtype)
+        return self.o_proj(o.reshape(B, T, H * K))

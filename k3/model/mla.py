@@ -1,0 +1,160 @@
+"""Gated Multi-head Latent Attention (NoPE) of K3, with a latent cache and weight-absorbed decode."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3.config import TextConfig
+from k3.model.cache import HybridCache, SeqLayout
+from k3.model.common import RMSNorm
+
+MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
+
+
+class GatedMLA(nn.Module):
+    """q = q_b(norm(q_a(x))) -> [H, nope + rope]; [latent | k_pe] = kv_a(x); kv = kv_b(norm(latent)) ->
+    [H, k_nope | v]; k_h = [k_nope_h | k_pe] (k_pe shared, un-normalised, never rotated);
+    softmax(q k^T / sqrt(nope + rope)) v, gated by sigmoid(g_proj x), then o_proj.
+
+    Input x: [B, T, d]; output [B, T, d].
+    """
+
+    def __init__(self, config: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, H = config.hidden_size, config.num_attention_heads
+        self.layer_idx, self.num_heads = layer_idx, H
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        qk = self.nope + self.rope
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, MLA_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, MLA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.use_output_gate = config.mla_use_output_gate
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.reshape(B, T, self.num_heads, self.nope + self.rope)
+
+    def _latent(self, x: torch.Tensor) -> torch.Tensor:
+        """[latent normalised (kv_lora_rank) | k_pe (rope)] per token: what the cache stores."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def _expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [..., S, kv_lora+rope] -> keys [..., S, H, nope+rope], values [..., S, H, v]."""
+        c, k_pe = lat.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.rope)], dim=-1)
+        return k, v
+
+    def _out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, T, H, v] -> gate -> o_proj."""
+        B, T = attn.shape[:2]
+        attn = attn.reshape(B, T, self.num_heads * self.v_dim)
+        if self.use_output_gate:
+            attn = (attn.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+        return self.o_proj(attn)
+
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
+        q, lat = self._q(x), self._latent(x)
+        if cache is None:
+            k, v = self._expand(lat)
+            return self._out(x, self._attend_packed(q, k, v, layout))
+        return self._out(x, self._attend_cached(q, lat, layout, cache))
+
+    # -- attention without a cache -------------------------------------------------------------
+    def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """Causal attention over [B, T] rows, block-diagonal per document when packed."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, *]
+        if layout.cu_seqlens is None:
+            o = _sdpa(q, k, v, None, causal=True, scale=self.scale)
+        else:
+            T = q.shape[2]
+            seq, _ = layout.token_seq_pos(T)
+            idx = torch.arange(T, device=q.device)
+            mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+            o = _sdpa(q, k, v, mask, causal=False, scale=self.scale)
+        return o.transpose(1, 2)
+
+    # -- attention against the latent cache -------------------------------------------------------
+    def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: HybridCache) -> torch.Tensor:
+        q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
+        buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
+        N, Tq = q_pad.shape[:2]
+        total = layout.past_lens + layout.new_lens
+        S = int(total.max()) if N else 0
+        kpos = torch.arange(S, device=q.device)
+        qpos = layout.past_lens[:, None] + torch.arange(Tq, device=q.device)[None, :]  # [N, Tq]
+        mask = kpos[None, None, :] <= qpos[:, :, None]  # [N, Tq, S] causal incl. cache; padding keys excluded
+        if cache.absorb_mla:
+            o = self._absorbed(q_pad, buf[:, :S], mask)
+        else:
+            k, v = self._expand(buf[:, :S])
+            o = _sdpa(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
+                      causal=False, scale=self.scale).transpose(1, 2)
+        return _from_padded(o, layout, q.shape[:2])
+
+    def _absorbed(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Weight-absorbed attention over latents: q [N, Tq, H, nope+rope], lat [N, S, kv_lora+rope].
+
+        scores_h = (q_nope_h W_uk_h) . c + q_pe_h . k_pe; out_h = (sum_s p_s c_s) W_uv_h^T. fp32 softmax.
+        """
+        H, r = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.reshape(H, self.nope + self.v_dim, r)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, r], [H, v, r]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = lat.split([r, self.rope], dim=-1)
+        q_lat = torch.einsum("nthd,hdr->nthr", q_nope.float(), w_uk.float())
+        scores = torch.einsum("nthr,nsr->nhts", q_lat, c.float()) + torch.einsum(
+            "nthd,nsd->nhts", q_pe.float(), k_pe.float())
+        scores = (scores * self.scale).masked_fill(~mask[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        o_lat = torch.einsum("nhts,nsr->nthr", p, c.float())
+        return torch.einsum("nthr,hvr->nthv", o_lat, w_uv.float()).to(q.dtype)
+
+
+def _sdpa(q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v with fp32 softmax; q/k head dim may differ from v's."""
+    if q.dtype in (torch.float32, torch.float64) or q.is_cuda:  # CUDA kernels accumulate softmax in fp32
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # Low precision: compute the scores and softmax in fp32 (the official precision), output in q's dtype.
+    s = torch.einsum("...td,...sd->...ts", q.float(), k.float()) * scale
+    if causal:
+        T, S = s.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("...ts,...sd->...td", torch.softmax(s, -1).to(v.dtype), v)
+
+
+def _to_padded(x: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+    """[B, T, ...] rows or packed [1, total, ...] -> [N, Tmax, ...] (zero padded)."""
+    if layout.cu_seqlens is None:
+        return x
+    total = x.shape[1]
+    seq, pos = layout.token_seq_pos(total)
+    tmax = int(layout.new_lens.max()) if layout.num_seqs else 0
+    out = x.new_zeros(layout.num_seqs, tmax, *x.shape[2:])
+    out[seq, pos] = x[0]
+    return out
+
+
+def _from_padded(x: torch.Tensor, layout: SeqLayout, shape: torch.Size) -> torch.Tensor:
+    if layout.cu_seqlens is None:
+        return x
+    seq, pos = layout.token_seq_pos(shape[1])
+    return x[seq, pos][None]

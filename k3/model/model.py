@@ -1,0 +1,124 @@
+"""The K3 text backbone: embeddings, 93 (or fewer) decoder layers wired with Block Attention
+Residuals, the output AttnRes mix and the final norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from k3.config import TextConfig
+from k3.model.cache import HybridCache, SeqLayout
+from k3.model.common import GLUMLP, RMSNorm, attn_res_mix
+from k3.model.kda import KDAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import LatentMoE
+
+
+class ResVector(nn.Module):
+    """A named [1, d] or [d] vector of an AttnRes pair (`*_res_proj.weight` / `*_res_norm.weight`)."""
+
+    def __init__(self, shape: tuple[int, ...], fill: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, fill))
+
+
+@dataclass
+class ResidualState:
+    """Block-AttnRes state between layers: completed block sums (the bank) and the running prefix."""
+
+    bank: list[torch.Tensor] = field(default_factory=list)
+    prefix: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx, self.eps = layer_idx, eps
+        self.block_size = config.attn_res_block_size
+        self.is_mla = config.is_mla(layer_idx)
+        self.self_attn = GatedMLA(config, layer_idx) if self.is_mla else KDAttention(config, layer_idx)
+        if config.is_moe(layer_idx):
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = GLUMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
+                              config.activation_situ_linear_beta)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attention_res_norm = ResVector((d,), 1.0)
+        self.self_attention_res_proj = ResVector((1, d), 0.0)
+        self.mlp_res_norm = ResVector((d,), 1.0)
+        self.mlp_res_proj = ResVector((1, d), 0.0)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def forward(self, bank: list[torch.Tensor], prefix: torch.Tensor, layout: SeqLayout,
+                cache: HybridCache | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One layer of Block AttnRes: there is no plain residual path.
+
+        bank: completed block sums [B, T, d] each; prefix: running sum of the current block.
+        Returns the updated (bank, prefix).
+        """
+        h = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj)
+        if self.layer_idx % self.block_size == 0:
+            bank = bank + [prefix]
+            prefix = torch.zeros_like(prefix)
+        prefix = prefix + self.self_attn(self.input_layernorm(h), layout, cache)
+        m = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj)
+        return bank, prefix + self.ffn(self.post_attention_layernorm(m))
+
+    def _mix(self, bank, prefix, norm: ResVector, proj: ResVector) -> torch.Tensor:
+        if not bank:
+            return prefix
+        return attn_res_mix(bank + [prefix], norm.weight, proj.weight, self.eps)
+
+
+class K3Model(nn.Module):
+    """Token ids [B, T] (or embeddings) -> final hidden states [B, T, d] after the output mix and norm."""
+
+    def __init__(self, config: TextConfig) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.output_attn_res_norm = ResVector((d,), 1.0)
+        self.output_attn_res_proj = ResVector((1, d), 0.0)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, cache: HybridCache | None = None,
+                hidden_state_layers: list[int] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns (final hidden [B, T, d], {layer: that layer's output mix input}) where the dict holds,
+        for each requested layer index l, the hidden state entering layer l's mixer (l = num_layers:
+        the pre-norm output mix)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, T] or inputs_embeds [B, T, d]")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if x.dim() != 3:
+            raise ValueError(f"expected input_ids [B, T] / inputs_embeds [B, T, d], got {list(x.shape)}")
+        B, T, _ = x.shape
+        layout = SeqLayout.build(B, T, cu_seqlens, cache, x.device)
+        want = set(hidden_state_layers or [])
+        hidden: dict[int, torch.Tensor] = {}
+        bank: list[torch.Tensor] = []
+        prefix = x
+        for i, layer in enumerate(self.layers):
+            if i in want:
+                hidden[i] = layer._mix(bank, prefix, layer.self_attention_res_norm, layer.self_attention_res_proj)
+            if self.gradient_checkpointing and self.training and cache is None:
+                bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
+            else:
+                bank, prefix = layer(bank, prefix, layout, cache)
+        out = attn_res_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                           self.config.rms_norm_eps)
+        if len(self.layers) in want:
+            hidden[len(self.layers)] = out
+        if cache is not None:
+            cache.advance(layout.new_lens)
+        return self.norm(out), hidden
