@@ -70,6 +70,13 @@ class K3ForCausalLM(nn.Module):
             lp[0, cu_seqlens[:-1].long().clamp(max=input_ids.shape[1] - 1)] = 0.0
         return lp
 
+    def set_kda_backend(self, backend: str) -> "K3ForCausalLM":
+        """Choose the KDA backend of every KDA layer ("auto", "reference", "torch", "triton")."""
+        for m in self.modules():
+            if isinstance(m, KDAttention):
+                m.kda_backend = backend
+        return self
+
     def new_cache(self, num_seqs: int, *, capacity: int = 256, absorb_mla: bool = True) -> HybridCache:
         p = self.lm_head.weight
         return HybridCache(self.config.text_config, num_seqs, dtype=p.dtype, device=p.device, capacity=capacity,
@@ -109,11 +116,13 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def num_parameters(self) -> tuple[int, int]:
-        """(total, active per token) parameter counts, embeddings included."""
+        """(total, active per token). Active counts every non-routed weight plus top-k/E of the routed
+        experts, and leaves out the input embedding table (a lookup, not compute), as the K3 report does."""
         tc = self.config.text_config
         total = sum(p.numel() for p in self.parameters())
         routed = sum(p.numel() for n, p in self.named_parameters() if ".experts.w" in n)
-        return total, total - routed + routed * tc.num_experts_per_token // tc.num_experts
+        embed = self.model.embed_tokens.weight.numel()
+        return total, total - routed - embed + routed * tc.num_experts_per_token // tc.num_experts
 
     # ---- checkpoint I/O ------------------------------------------------------------------------------
     @classmethod

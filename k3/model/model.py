@@ -84,7 +84,8 @@ class K3Model(nn.Module):
         super().__init__()
         d = config.hidden_size
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        # _weight skips nn.Embedding's normal_ init (slow on meta: it imports torch._refs); init_weights sets it.
+        self.embed_tokens = nn.Embedding(config.vocab_size, d, _weight=torch.empty(config.vocab_size, d))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.output_attn_res_norm = ResVector((d,), 1.0)
