@@ -1,0 +1,82 @@
+"""`k3 generate`: sample text from a checkpoint (or a preset with random weights) with the hybrid cache."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint or a randomly initialised preset")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (official layout + tokenizer files)")
+    src.add_argument("--preset", help="a preset with random weights (for smoke tests)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
+    p.add_argument("--prompt", default="", help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.set_defaults(func=run)
+
+
+class _ByteIds:
+    """Fallback for a preset without a tokenizer: UTF-8 bytes are the token ids."""
+
+    eos_id = -1
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def run(args: argparse.Namespace) -> int:
+    from k3.config import get_preset
+    from k3.data.tokenizer import load_tokenizer
+    from k3.model.causal_lm import K3ForCausalLM
+    from k3.model.generate import SamplingParams, generate_stream
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens)
+    if args.checkpoint:
+        model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype or "float32"
+                                              if args.device == "cpu" else args.dtype, device=args.device)
+    else:
+        model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed or 0)
+        model.to_dtype(args.dtype or "float32").to(args.device)
+    tok_dir = args.tokenizer or args.checkpoint
+    tok = load_tokenizer(tok_dir) if tok_dir and _has_tokenizer(tok_dir) else _ByteIds()
+    if args.checkpoint and isinstance(tok, _ByteIds):
+        print(f"error: no tokenizer files in {tok_dir} (pass --tokenizer DIR)", file=sys.stderr)
+        return 2
+    params.stop_ids = (tok.eos_id,) if tok.eos_id >= 0 else ()
+    ids = tok.encode(args.prompt) if args.prompt else [getattr(tok, "bos_id", 0)]
+    model.eval()
+    print(args.prompt, end="", flush=True)
+    out: list[int] = []
+    shown = ""
+    t0 = time.perf_counter()
+    for _, tok_id in generate_stream(model, [ids], params, seed=args.seed):
+        if tok_id in params.stop_ids:
+            break
+        out.append(tok_id)
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+    dt = time.perf_counter() - t0
+    print(f"\n[{len(out)} tokens, {len(out) / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tiktoken.model", "tokenizer.json"))
