@@ -149,6 +149,7 @@ class QuantileBalancer:
         tokens = buf[L * E * (S + 1) :]
         return counts, loads, tokens
 
+    @torch.compiler.disable  # a compiled model calls it eagerly instead of breaking on bincount
     @torch.no_grad()
     def observe(self, layer_idx: int, scores: Tensor, bias: Tensor) -> None:
         """Add one routed batch of a layer to this step's histograms.
@@ -210,7 +211,9 @@ class QuantileBalancer:
         targets = {int(i): b for i, b in items if b is not None}
         for i, b in targets.items():
             if not 0 <= i < self.num_layers or tuple(b.shape) != (self.num_experts,):
-                raise ValueError(f"biases[{i}]: expected a layer in [0, {self.num_layers}) with shape ({self.num_experts},)")
+                raise ValueError(
+                    f"biases[{i}]: expected a layer in [0, {self.num_layers}) with shape ({self.num_experts},)"
+                )
         if self._buf is None:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
             self._ensure_buffer(device)
@@ -219,9 +222,10 @@ class QuantileBalancer:
         counts, loads, tokens = self._views(self._buf)
         q = self.quantiles(counts, tokens)
         self._record_balance(loads, tokens)
+        observed = tokens.cpu()  # one device sync for all layers
         out = {}
         for i, b in targets.items():
-            if int(tokens[i]) > 0:
+            if int(observed[i]) > 0:
                 b.sub_(q[i].to(device=b.device, dtype=b.dtype))
             out[i] = b
         self._buf.zero_()
