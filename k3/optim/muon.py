@@ -251,12 +251,15 @@ class PerHeadMuon(torch.optim.Optimizer):
         return [_check_spec(s, p.shape, f"muon param {n}") for s, p, n in zip(specs, params, names)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch casts loaded state to each parameter's dtype; keep ours fp32 (bf16 params)."""
+        """Like torch's, but state stays exact fp32: torch would round it to a bf16 param's dtype."""
+        saved = state_dict["state"]
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key, value in state.items():
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in zip(ids, params):
+            for key, value in saved.get(idx, {}).items():
                 if key != "step" and torch.is_tensor(value) and value.is_floating_point():
-                    state[key] = value.float()
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch.optim signature
