@@ -17,6 +17,7 @@ lookup hashes the prompt once and walks the anchors from the deepest down.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -171,23 +172,32 @@ class CheckpointPlan:
               max_count: int, min_gap: int, extra: tuple[int, ...] = ()) -> "CheckpointPlan":
         """Candidates in (start, len(tokens) - 1]: the last prompt position (always: an identical or
         extended prompt resumes there and recomputes one token), every message end (the position
-        after each `boundary_id`), every `every_units` units, and `extra`. Candidates closer than
-        `min_gap` to a later one are dropped, then only the last `max_count` are kept."""
+        after each `boundary_id`) and `extra`, then every `every_units` units. Boundaries closer than
+        `min_gap` to a later boundary are dropped, interval points closer than `min_gap` to a kept
+        boundary too; of the rest the last `max_count` are kept."""
         end = len(tokens) - 1
-        cands = {end}
+        if end <= start:
+            return CheckpointPlan([])
+        bounds = {end} | {p for p in extra if start < p <= end}
         if boundary_id is not None:
             arr = np.asarray(tokens[start:end], dtype=np.int64)
-            cands.update(int(i) + start + 1 for i in np.nonzero(arr == boundary_id)[0])
-        if every_units > 0:
-            step = every_units * unit
-            cands.update(range((start // step + 1) * step, end, step))
-        cands.update(p for p in extra if start < p <= end)
-        pos = sorted(p for p in cands if start < p <= end)
+            bounds.update(int(i) + start + 1 for i in np.nonzero(arr == boundary_id)[0])
         kept: list[int] = []
-        for p in reversed(pos):
+        for p in sorted(bounds, reverse=True):
             if not kept or kept[-1] - p >= min_gap:
                 kept.append(p)
-        return CheckpointPlan(sorted(kept[:max_count]))
+        if every_units > 0:
+            step = every_units * unit
+            near = sorted(kept)
+            for p in range((start // step + 1) * step, end, step):
+                i = bisect.bisect_left(near, p)
+                gaps = [abs(near[j] - p) for j in (i - 1, i) if 0 <= j < len(near)]
+                if not gaps or min(gaps) >= min_gap:
+                    kept.append(p)
+        kept.sort()
+        if max_count and len(kept) > max_count:
+            kept = kept[-max_count:]
+        return CheckpointPlan(kept if max_count else [])
 
     def next_after(self, pos: int) -> int | None:
         for p in self.positions:

@@ -215,10 +215,6 @@ class Scheduler:
             self.pool.zero(slot)  # fresh state: zero recurrent state and conv tail
             req.pages = []
         req.slot, req.num_computed, req.shared_pages = slot, start, len(req.pages)
-        if req.cached_tokens is None:
-            req.cached_tokens = start
-            if self.prefix is not None:
-                self.prefix.record_query(req.prompt_len, start)
         c = self.cfg
         extra = req.extra_checkpoints if self.prefix is not None else ()
         req.plan = CheckpointPlan.build(
@@ -233,11 +229,51 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _admit_waiting(self) -> None:
+    # ---- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Decode every running request that has one pending token; then prefill chunks, running
+        requests first (oldest first, each class within its budget, then the pooled leftovers), then
+        newly admitted ones -- a request is admitted only together with pages for its first chunk."""
+        plan = StepPlan()
+        self._schedule_decode(plan)
+        budget = {False: self.cfg.short_prefill_budget, True: self.cfg.long_prefill_budget}
+        running = sorted((r for r in self.running if not r.paused and r.pending >= 2),
+                         key=lambda r: (r.long, r.admit_seq))
+        if self._prefill_pass(plan, running, budget):
+            self._admit_pass(plan, budget)
+        if plan.empty:
+            self._unblock(plan)
+        return plan
+
+    def _take(self, budget: dict[bool, int], req: Request, n: int) -> None:
+        own = min(n, budget[req.long])
+        budget[req.long] -= own
+        budget[not req.long] -= n - own
+
+    def _prefill_pass(self, plan: StepPlan, reqs: list[Request], budget: dict[bool, int]) -> bool:
+        """Schedule chunks for `reqs`; False when memory ran out (stop scheduling prefill)."""
+        done: set[int] = set()
+        for pooled in (False, True):  # own class budget first, then whatever both classes left
+            for req in reqs:
+                if id(req) in done:
+                    continue
+                n = self._chunk(req, budget[False] + budget[True] if pooled else budget[req.long])
+                if n <= 0:
+                    continue
+                try:
+                    self._ensure_pages(req, req.num_computed + n)
+                except OutOfBlocks:
+                    return False
+                plan.prefill.append((req, n))
+                done.add(id(req))
+                self._take(budget, req, n)
+        return True
+
+    def _admit_pass(self, plan: StepPlan, budget: dict[bool, int]) -> None:
         c = self.cfg
         for q, is_long in ((self.waiting_short, False), (self.waiting_long, True)):
             for req in list(q):
-                if len(self.running) >= c.max_running:
+                if len(self.running) >= c.max_running or budget[False] + budget[True] <= 0:
                     return
                 if is_long and sum(r.long for r in self.running) >= c.max_long_running:
                     break
@@ -245,17 +281,29 @@ class Scheduler:
                     continue  # a paused request waits in its queue until resumed
                 if not self._admit(req):
                     return
+                if req.pending == 1:  # resumed right before its last token: it decodes next step
+                    q.remove(req)
+                    self._record_hit(req)
+                    continue
+                own = budget[req.long]
+                n = self._chunk(req, own if own > 0 else budget[False] + budget[True])
+                try:
+                    self._ensure_pages(req, req.num_computed + n)
+                except OutOfBlocks:
+                    self.release(req, donate=False)  # roll back; it keeps its place in the queue
+                    req.status = "waiting"
+                    return
                 q.remove(req)
+                plan.prefill.append((req, n))
+                self._take(budget, req, n)
+                self._record_hit(req)
 
-    # ---- one step -----------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        plan = StepPlan()
-        self._schedule_decode(plan)
-        self._admit_waiting()
-        self._schedule_prefill(plan)
-        if plan.empty:
-            self._unblock(plan)
-        return plan
+    def _record_hit(self, req: Request) -> None:
+        """Prompt tokens served from the cache are counted at the first admission only."""
+        if req.cached_tokens is None:
+            req.cached_tokens = req.num_computed
+            if self.prefix is not None:
+                self.prefix.record_query(req.prompt_len, req.num_computed)
 
     def _unblock(self, plan: StepPlan) -> None:
         """Nothing could be scheduled: preempt to make room (paused requests first, then the newest)."""
@@ -285,32 +333,6 @@ class Scheduler:
                         break
                     self.preempt(victim)
                     plan.preempted.append(victim)
-
-    def _schedule_prefill(self, plan: StepPlan) -> None:
-        cands = [r for r in self.running if not r.paused and r.pending >= 2]
-        cands.sort(key=lambda r: (r.long, r.admit_seq))
-        budget = {False: self.cfg.short_prefill_budget, True: self.cfg.long_prefill_budget}
-        done: set[int] = set()
-        for pooled in (False, True):  # own class budget first, then whatever both classes left
-            for req in cands:
-                if id(req) in done:
-                    continue
-                avail = budget[False] + budget[True] if pooled else budget[req.long]
-                n = self._chunk(req, avail)
-                if n <= 0:
-                    continue
-                try:
-                    self._ensure_pages(req, req.num_computed + n)
-                except OutOfBlocks:
-                    return
-                plan.prefill.append((req, n))
-                done.add(id(req))
-                if pooled:
-                    take = min(n, budget[req.long])
-                    budget[req.long] -= take
-                    budget[not req.long] -= n - take
-                else:
-                    budget[req.long] -= n
 
     def _chunk(self, req: Request, avail: int) -> int:
         n = min(req.pending, avail)
