@@ -38,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got a boolean")
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
@@ -52,7 +55,7 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must hold non-empty strings")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
