@@ -47,10 +47,12 @@ BLOCK = 32
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # Rounding thresholds between consecutive grid magnitudes (codes k -> k+1). A tie goes to the
-# even code: for thresholds whose lower code is even the tie stays below (strict ">"), for the
-# others it moves up (">=").
+# even code: for thresholds whose lower code is even the tie stays below (x > t), for the others
+# it moves up (x >= t, written as x > nextafter(t, 0) so that one bucketize does all of them).
 _THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIE_UP = (False, True, False, True, False, True, False)
+_BOUNDARIES = torch.tensor(_THRESHOLDS, dtype=torch.float32)
+_BOUNDARIES = torch.where(torch.tensor(_TIE_UP), torch.nextafter(_BOUNDARIES, torch.zeros(7)), _BOUNDARIES)
 
 
 def _pow2_table(negate: bool) -> torch.Tensor:
@@ -147,10 +149,8 @@ def mxfp4_scales_ocp(w: torch.Tensor) -> torch.Tensor:
 
 def _round_to_codes(x: torch.Tensor) -> torch.Tensor:
     """float32 scaled values -> E2M1 nibbles (int64), RNE with saturation at 6."""
-    a = x.abs()
-    code = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-    for t, up in zip(_THRESHOLDS, _TIE_UP):  # 7 vectorised comparisons, not a loop over elements
-        code += (a >= t) if up else (a > t)
+    # bucketize(right=False) counts the boundaries strictly below |x| = the magnitude code.
+    code = torch.bucketize(x.abs(), _BOUNDARIES.to(x.device))
     return torch.where(torch.signbit(x), code | 8, code)
 
 
