@@ -41,14 +41,13 @@ import torch
 from torch import nn
 
 from k3.config import K3Config, TextConfig, kimi_k3
-from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, mxfp4_scales_ocp
+from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
 __all__ = [
     "CheckpointError",
     "LoadReport",
     "internal_shapes",
     "official_shapes",
-    "official_name",
     "is_fp32_name",
     "a_log_padded_len",
     "load_checkpoint",
@@ -196,11 +195,6 @@ class _Entry(NamedTuple):
     expert: int = -1
 
 
-def official_name(internal: str, prefix: str = PREFIX) -> str:
-    """Official name of a non-expert internal tensor."""
-    return prefix + internal
-
-
 def _entries(name: str, shape: tuple[int, ...], fmt: str, prefix: str) -> list[tuple]:
     """Official tensors of one internal tensor, as plain tuples in `_Entry` field order (plain
     tuples because the full inventory has ~500k entries)."""
@@ -344,7 +338,7 @@ def _materialise(model: nn.Module, dtype: torch.dtype | None, device: torch.devi
                     store[key] = new
 
 
-def _plan(state: dict[str, torch.Tensor], weight_map: dict[str, str], path: str
+def _plan(state: dict[str, torch.Tensor], weight_map: dict[str, str]
           ) -> tuple[list[_Entry], str, list[str], list[str], list[str], list[str]]:
     """Match the model's tensors against the checkpoint headers; returns
     (entries to load, experts format, missing, unexpected, skipped, errors)."""
@@ -399,8 +393,9 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
         dtype: dtype for the non-F32 floating tensors (None: keep the model's); the official
             F32 tensors always become float32.
         device: target device (None: keep; cpu for meta tensors).
-        strict: missing/unexpected tensors raise; otherwise they are only reported.
-            Mis-shaped or wrong-dtype tensors always raise.
+        strict: missing/unexpected tensors raise; otherwise they are only reported (missing
+            tensors of a meta model are then left uninitialised). Mis-shaped or wrong-dtype
+            tensors always raise, before anything is copied.
         keep_mxfp4_scales: remember the E8M0 scale bytes for byte-identical re-saves.
     Returns:
         LoadReport. Raises CheckpointError naming every offending tensor or file.
@@ -409,7 +404,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     weight_map = _read_weight_map(path)
     dt = _target_dtype(dtype)
     state0 = model.state_dict(keep_vars=True)
-    found, fmt, missing, unexpected, skipped, errors = _plan(state0, weight_map, path)
+    found, fmt, missing, unexpected, skipped, errors = _plan(state0, weight_map)
+    del state0  # holding the old tensors would double peak memory while they are replaced
     if strict:
         errors += [f"{n}: missing from the checkpoint" for n in missing]
         errors += [f"{n}: unexpected tensor (the model has no such parameter)" for n in unexpected]
@@ -467,7 +463,8 @@ def _apply(e: _Entry, src: torch.Tensor, state: dict[str, torch.Tensor],
         slot[e.kind] = src
         if len(slot) == 2:
             del pending[(e.internal, e.expert)]
-            target[e.expert].copy_(decode_mxfp4(slot["packed"], slot["scale"], dtype=target.dtype))
+            dev = target.device  # decode where the weights live (fast on GPU)
+            target[e.expert].copy_(decode_mxfp4(slot["packed"].to(dev), slot["scale"].to(dev), dtype=target.dtype))
             if e.internal in scales:
                 scales[e.internal][e.expert].copy_(slot["scale"])
 
@@ -476,31 +473,18 @@ def _apply(e: _Entry, src: torch.Tensor, state: dict[str, torch.Tensor],
 # saving
 
 
-def _official_quant_config() -> dict:
-    q = kimi_k3().quantization_config
-    assert q is not None
-    return q
-
-
 _ENCODE_CHUNK = 1 << 24  # weights per vectorised encode call (bounds the temporary memory)
 
 
 def _experts_mxfp4(w: torch.Tensor, remembered: torch.Tensor | None, name: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack experts w [n, out, in]; per 32-block reuse the remembered scale bytes
-    [n, out, in/32] when they reproduce the weights bit-exactly, else the OCP rule."""
+    """Pack experts w [n, out, in] (remembered: uint8 [n, out, in/32] or None)."""
     w = w.detach().to("cpu")
     if not torch.isfinite(w).all():
         raise CheckpointError(f"{name}: non-finite weights cannot be written as MXFP4")
     if remembered is None or remembered.shape != (*w.shape[:-1], w.shape[-1] // BLOCK):
         return encode_mxfp4(w)
-    packed, scale = encode_mxfp4(w, remembered)
-    dec = decode_mxfp4(packed, scale, dtype=torch.float32)
-    same = dec.view(torch.int32) == w.float().view(torch.int32)  # bitwise: keeps -0.0 vs +0.0
-    exact = same.view(*w.shape[:-1], -1, BLOCK).all(dim=-1)
-    if bool(exact.all()):
-        return packed, scale
-    return encode_mxfp4(w, torch.where(exact, remembered, mxfp4_scales_ocp(w)))
+    return encode_mxfp4_reuse(w, remembered)
 
 
 def _iter_experts(state: dict[str, torch.Tensor], group: str, fmt: str, out_dtype: torch.dtype,
@@ -522,11 +506,13 @@ def _iter_experts(state: dict[str, torch.Tensor], group: str, fmt: str, out_dtyp
         for e in range(e0, e1):
             for w, _, _ in mats:
                 base = f"{PREFIX}{group}.{e}.{w}"
+                # clone: safetensors refuses tensors that share storage within one file
+                own = [x[e - e0].clone(memory_format=torch.contiguous_format) for x in chunk[w]]
                 if fmt == "bf16":
-                    yield f"{base}.weight", chunk[w][0][e - e0].clone(memory_format=torch.contiguous_format)
+                    yield f"{base}.weight", own[0]
                 else:
-                    yield f"{base}.weight_packed", chunk[w][0][e - e0].clone(memory_format=torch.contiguous_format)
-                    yield f"{base}.weight_scale", chunk[w][1][e - e0].clone(memory_format=torch.contiguous_format)
+                    yield f"{base}.weight_packed", own[0]
+                    yield f"{base}.weight_scale", own[1]
 
 
 def _iter_official(state: dict[str, torch.Tensor], fmt: str, out_dtype: torch.dtype,
@@ -558,7 +544,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], fn: str) -> None:
 
 def _check_model_layout(state: dict[str, torch.Tensor], cfg: K3Config) -> None:
     want = internal_shapes(cfg)
-    errs = [f"{PREFIX}{n}: missing from the model" for n in want if n not in state]
+    errs = [f"{n}: missing from the model" for n in want if n not in state]
     errs += [f"{n}: not part of the K3 layout for this config" for n in state if n not in want]
     errs += [f"{n}: model shape {list(state[n].shape)} != config shape {list(want[n][0])}"
              for n in want if n in state and tuple(state[n].shape) != want[n][0]]
@@ -595,7 +581,7 @@ def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
     _check_model_layout(state, cfg)
     cfg_out = copy.deepcopy(cfg)
     if fmt == "mxfp4" and not cfg_out.experts_mxfp4:
-        cfg_out.quantization_config = _official_quant_config()
+        cfg_out.quantization_config = kimi_k3().quantization_config  # the official block
     elif fmt == "bf16" and cfg_out.experts_mxfp4:
         cfg_out.quantization_config = None
     cfg_out.dtype = "float32" if out_dtype == torch.float32 else "bfloat16"

@@ -37,6 +37,7 @@ __all__ = [
     "E2M1_GRID",
     "decode_mxfp4",
     "encode_mxfp4",
+    "encode_mxfp4_reuse",
     "mxfp4_scales_ocp",
     "quantize_dequantize_mxfp4",
     "fake_quant_mxfp4",
@@ -179,6 +180,27 @@ def encode_mxfp4(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[to
     codes = _round_to_codes(blocks * inv).reshape(*w.shape)
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return packed, scale
+
+
+def encode_mxfp4_reuse(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode w, keeping each block's given scale byte wherever it reproduces the block
+    bit-exactly (sign of zero included) and using the OCP rule for the other blocks.
+
+    This is what makes re-saving a loaded MXFP4 checkpoint byte-identical (the encoding is not
+    unique, spec §4.3) while still encoding modified blocks sensibly.
+    Args:
+        w: float [..., out, in], finite, `in` a multiple of 32.
+        scale: uint8 [..., out, in/32] candidate bytes (e.g. those of the loaded file).
+    Returns:
+        (packed uint8 [..., out, in/2], scale uint8 [..., out, in/32]).
+    """
+    packed, scale = encode_mxfp4(w, scale)
+    dec = decode_mxfp4(packed, scale, dtype=torch.float32)
+    same = dec.view(torch.int32) == w.detach().float().view(torch.int32)
+    exact = same.view(*w.shape[:-1], -1, BLOCK).all(dim=-1)
+    if bool(exact.all()):
+        return packed, scale
+    return encode_mxfp4(w, torch.where(exact, scale, mxfp4_scales_ocp(w)))
 
 
 def quantize_dequantize_mxfp4(w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@ from k3.quant.mxfp4 import (
     E2M1_GRID,
     decode_mxfp4,
     encode_mxfp4,
+    encode_mxfp4_reuse,
     fake_quant_mxfp4,
     mxfp4_scales_ocp,
     quantize_dequantize_mxfp4,
@@ -115,6 +116,22 @@ def test_reencode_with_original_scales_is_byte_identical():
     for dt in (torch.bfloat16, torch.float32):
         p2, s2 = encode_mxfp4(decode_mxfp4(packed, scale, dtype=dt), scale)
         assert torch.equal(p2, packed) and torch.equal(s2, scale)
+
+
+def test_reuse_keeps_exact_blocks_and_fixes_others():
+    gen = torch.Generator().manual_seed(5)
+    packed, scale = _random_grid(4, 96, gen)
+    packed[:, :48] &= 0xBB  # magnitudes <= 1.5: the OCP rule would pick other bytes here
+    w = decode_mxfp4(packed, scale, dtype=torch.float32)
+    p2, s2 = encode_mxfp4_reuse(w, scale)
+    assert torch.equal(p2, packed) and torch.equal(s2, scale)
+    assert not torch.equal(mxfp4_scales_ocp(w), scale)
+    w[2, 40] = 1000.0  # block (2, 1) no longer fits its byte: OCP rule there only
+    p3, s3 = encode_mxfp4_reuse(w, scale)
+    want = scale.clone()
+    want[2, 1] = mxfp4_scales_ocp(w)[2, 1]
+    assert torch.equal(s3, want)
+    assert torch.equal(decode_mxfp4(p3, s3, dtype=torch.float32)[2, 40], torch.tensor(768.0))  # 1000 / 2^7 saturates to 6
 
 
 def test_quantize_matches_encode_and_error_bound():
