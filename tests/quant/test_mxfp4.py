@@ -170,3 +170,35 @@ def test_vectorised_large_tensor_fast():
     p2, s2 = encode_mxfp4(w, scale)
     assert time.perf_counter() - t0 < 5.0
     assert torch.equal(p2, packed)
+
+
+def _encode_reference(w: torch.Tensor) -> torch.Tensor:
+    """Plain per-element reference of encode (OCP floor scale, RNE to the grid, saturation):
+    returns the decoded float64 values [out, in]."""
+    import math
+
+    out = torch.zeros(w.shape, dtype=torch.float64)
+    for r in range(w.shape[0]):
+        for b in range(0, w.shape[1], 32):
+            blk = [float(v) for v in w[r, b:b + 32]]
+            amax = max(abs(v) for v in blk)
+            e = max(-127, math.frexp(amax)[1] - 1 - 2) if amax > 0 else -127
+            for c, v in enumerate(blk):
+                x = abs(v) / 2.0 ** e
+                # nearest grid magnitude; on a tie the even code (index) wins; beyond 6 -> 6
+                best = min(range(8), key=lambda k: (abs(x - E2M1_GRID[k]), k % 2))
+                out[r, b + c] = math.copysign(E2M1_GRID[best] * 2.0 ** e, v)
+    return out
+
+
+def test_encode_matches_scalar_reference():
+    gen = torch.Generator().manual_seed(6)
+    # quarter-steps times powers of two hit every tie; plus plain random values
+    ties = torch.randint(-28, 29, (3, 64), generator=gen).float() * 0.25
+    ties = ties * 2.0 ** torch.randint(-3, 4, (3, 2, 1), generator=gen).float().repeat_interleave(32, 1)[..., 0]
+    w = torch.cat([ties, torch.randn(3, 64, generator=gen) * 5])
+    p, s = encode_mxfp4(w)
+    got = decode_mxfp4(p, s, dtype=torch.float32).double()
+    want = _encode_reference(w)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
