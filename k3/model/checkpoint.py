@@ -67,7 +67,6 @@ _EXPERT_RE = re.compile(r"^(?P<group>.*\.block_sparse_moe\.experts)\.(?P<w>w[123
 _SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 # Loader tolerance: BF16 tensors may also be stored F32 (k3's lossless fp32 export).
 _ACCEPTED = {"BF16": ("BF16", "F32"), "F32": ("F32",), "U8": ("U8",)}
-_TORCH_DTYPE = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 
 
 class CheckpointError(ValueError):
