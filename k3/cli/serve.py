@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-budget", type=int, default=2048, help="prefill tokens per step for each of the "
                    "short and the long class")
     p.add_argument("--default-max-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU serving)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=run)
 
@@ -70,6 +71,8 @@ def build(args: argparse.Namespace):
     from k3.serve.engine import Engine, EngineConfig
     from k3.serve.server import ServerConfig, build_app
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer, name = load_model(args)
     device = model.lm_head.weight.device
     if args.memory_budget_mb is not None:

@@ -45,7 +45,9 @@ class ChatAssembler:
     """Feeds output tokens to the parser; builds deltas, chunks and the final message."""
 
     def __init__(self, tokenizer: Any, *, model: str, thinking: bool, forced_prefix: list[int], want_logprobs: bool,
-                 named_tool: bool) -> None:
+                 close_ids: list[int] = ()) -> None:
+        """forced_prefix: prompt tokens that already opened a tool call (named tool_choice); close_ids:
+        tokens that close it, fed at the end if the model did not, so the forced call is always emitted."""
         self.tok, self.model = tokenizer, model
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -54,7 +56,7 @@ class ChatAssembler:
             self.parser.feed_ids(forced_prefix)  # named tool choice: the call header is part of the prompt
         self.want_logprobs = want_logprobs
         self.logprobs: list[dict] = []
-        self.named_tool = named_tool
+        self.close_ids = list(close_ids)
         self.finish_reason: str | None = None
         self.usage: dict | None = None
 
@@ -62,6 +64,8 @@ class ChatAssembler:
     def _deltas(self, out: RequestOutput) -> list[dict]:
         events = self.parser.feed_ids(out.new_token_ids)
         if out.finished:
+            if self.close_ids and not self.parser.result()["tool_calls"] and not self.parser.done:
+                events += self.parser.feed_ids(self.close_ids)
             events += self.parser.finish()
             self.usage = usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
             self.finish_reason = self._finish_reason(out.finish_reason)

@@ -134,7 +134,7 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
         if common.model not in st.cfg.model_names:
             raise APIError(404, f"model {common.model!r} not found; available: {', '.join(st.cfg.model_names)}",
                            param="model", code="model_not_found")
-        prompt, forced = await asyncio.to_thread(_tokenize, st, req, chat)
+        prompt, forced, close = await asyncio.to_thread(_tokenize, st, req, chat)
         max_tokens = _max_tokens(st, common, len(prompt))
         params = common.sampling(max_tokens, req.logprobs)
         stream = st.engine.submit(prompt, params)
@@ -151,7 +151,7 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
     model = common.model
     if chat:
         asm: Any = ChatAssembler(st.tok, model=model, thinking=req.thinking, forced_prefix=forced,
-                                 want_logprobs=req.logprobs is not None, named_tool=req.named_tool is not None)
+                                 want_logprobs=req.logprobs is not None, close_ids=close)
     else:
         asm = CompletionAssembler(st.tok, model=model, logprobs=req.logprobs)
     if common.stream:
@@ -160,16 +160,16 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
     return await _collect(st, request, asm, stream)
 
 
-def _tokenize(st: _State, req: Any, chat: bool) -> tuple[list[int], list[int]]:
-    """-> (prompt ids including any forced prefix, the forced prefix). Raises APIError(400)."""
+def _tokenize(st: _State, req: Any, chat: bool) -> tuple[list[int], list[int], list[int]]:
+    """-> (prompt ids including any forced prefix, the forced prefix, ids closing it). APIError(400)."""
     tok = st.tok
     limit = st.engine.engine.max_model_len
     try:
         if not chat:
             if isinstance(req.prompt, list):
-                return list(req.prompt), []
+                return list(req.prompt), [], []
             _length_precheck(st, len(req.prompt.encode("utf-8", errors="replace")), limit)
-            return tok.encode(req.prompt, allow_special=True), []
+            return tok.encode(req.prompt, allow_special=True), [], []
         return _chat_prompt(st, req)
     except APIError:
         raise
@@ -183,7 +183,11 @@ def _length_precheck(st: _State, nbytes: int, limit: int) -> None:
                        param="messages", code="context_length_exceeded")
 
 
-def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int]]:
+def _encode(st: _State, b: SegmentBuilder) -> list[int]:
+    return [t for s in b.segments for t in st.tok.encode(s.text, allow_special=s.special)]
+
+
+def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int], list[int]]:
     segs = render_segments(req.messages, req.tools, thinking=req.thinking,
                            thinking_effort=req.effort if req.thinking else None, add_generation_prompt=True,
                            tool_choice=req.tool_choice, response_format=req.response_format)
@@ -191,6 +195,7 @@ def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int]]:
                      st.engine.engine.max_model_len)
     ids = [t for s in segs for t in st.tok.encode(s.text, allow_special=s.special)]
     forced: list[int] = []
+    close: list[int] = []
     if req.named_tool is not None:
         # named tool_choice: the prompt ends with the opening of that call, the model writes the arguments
         b = SegmentBuilder()
@@ -200,8 +205,12 @@ def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int]]:
         b.close_tag("response")
         b.open_tag("tools")
         b.open_tag("call", [("tool", req.named_tool), ("index", 1)])
-        forced = [t for s in b.segments for t in st.tok.encode(s.text, allow_special=s.special)]
-    return ids + forced, forced
+        forced = _encode(st, b)
+        b = SegmentBuilder()
+        b.close_tag("call")
+        b.close_tag("tools")
+        close = _encode(st, b)
+    return ids + forced, forced, close
 
 
 def _max_tokens(st: _State, common: CommonParams, prompt_len: int) -> int:
