@@ -15,6 +15,7 @@ from typing import Any
 from k3.serve.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 100_000
 EFFORTS = ("low", "medium", "high", "max")
 
@@ -93,8 +94,9 @@ def get_stop(body: dict) -> tuple[str, ...]:
     if v is None:
         return ()
     items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or len(items) > MAX_STOP or any(not isinstance(s, str) or not s for s in items):
-        raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+    if not isinstance(items, list) or len(items) > MAX_STOP or any(
+            not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in items):
+        raise bad("stop", f"must be a string or a list of at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
     return tuple(items)
 
 

@@ -63,3 +63,68 @@ def make_engine(model, tokenizer):
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     """n random ordinary token ids (pass the tokenizer's base_size: specials come after it)."""
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ live server
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, proc, base_url: str, log_path) -> None:
+        self.proc, self.base_url, self.log_path = proc, base_url, log_path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory, tokenizer):
+    """`k3 serve --checkpoint DIR` in a subprocess on 127.0.0.1 (k3-tiny, random weights saved with
+    save_pretrained, the test tokenizer next to them)."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    ckpt = tmp_path_factory.mktemp("k3tiny_ckpt")
+    torch.manual_seed(0)
+    K3ForCausalLM(k3_tiny()).init_weights(seed=0).save_pretrained(ckpt)
+    tokenizer.save(ckpt)
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("live_log") / "serve.log"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "k3", "serve", "--checkpoint", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "k3-tiny", "--threads", "1", "--memory-budget-mb", "96", "--page-size", "16",
+           "--unit-size", "64", "--max-model-len", "4096", "--default-max-tokens", "8", "--max-waiting", "4096"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
+    server = LiveServer(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.time() + 180
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"k3 serve exited with {proc.returncode}:\n{server.log()}")
+        try:
+            with urllib.request.urlopen(server.base_url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"k3 serve did not become healthy:\n{server.log()}")
+        time.sleep(0.5)
+    yield server
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=20)
