@@ -48,7 +48,7 @@ class EngineConfig:
     checkpoint_every_units: int = 8
     checkpoint_at_message_ends: bool = True
     max_checkpoints_per_request: int = 8
-    checkpoint_min_gap: int = 32
+    checkpoint_min_gap: int = 16
     max_running: int = 64
     max_long_running: int | None = None
     long_prompt_threshold: int = 4096
@@ -265,7 +265,6 @@ class Engine:
             return reqs
         sample_reqs = [r for r in reqs if r.pending == 0]
         for r, n in batch:
-            self.metrics.prefill_tokens += 0 if decode else n
             if not decode and self.prefix is not None and r.num_computed in r.plan.positions:
                 self.scheduler.save_checkpoint(r)
         if sample_reqs:
@@ -293,6 +292,8 @@ class Engine:
             last = h[0, cu[1:] - 1]
         cache.commit()
         for r, n in batch:
+            # prompt tokens computed here (the last one usually runs in a decode batch)
+            self.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
             r.num_computed += n
         return self.model.lm_head(last)
 

@@ -12,7 +12,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 class EngineMetrics:
     requests_added: int = 0
     steps: int = 0
-    prefill_tokens: int = 0
+    prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -33,7 +33,7 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "requests_added": self.requests_added, "steps": self.steps, "prefill_tokens": self.prefill_tokens,
+            "requests_added": self.requests_added, "steps": self.steps, "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "finished": dict(self.finished),
             "ttft_counts": list(self.ttft_counts), "ttft_sum": self.ttft_sum,
@@ -43,7 +43,7 @@ class EngineMetrics:
 _HELP = {
     "requests_added": ("counter", "Requests submitted to the engine"),
     "steps": ("counter", "Engine steps run"),
-    "prefill_tokens": ("counter", "Prompt tokens computed (cache misses)"),
+    "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),
     "prompt_tokens": ("counter", "Prompt tokens of finished requests"),
     "cached_tokens": ("counter", "Prompt tokens of finished requests served from the prefix cache"),

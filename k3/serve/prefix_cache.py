@@ -172,9 +172,9 @@ class CheckpointPlan:
               max_count: int, min_gap: int, extra: tuple[int, ...] = ()) -> "CheckpointPlan":
         """Candidates in (start, len(tokens) - 1]: the last prompt position (always: an identical or
         extended prompt resumes there and recomputes one token), every message end (the position
-        after each `boundary_id`) and `extra`, then every `every_units` units. Boundaries closer than
-        `min_gap` to a later boundary are dropped, interval points closer than `min_gap` to a kept
-        boundary too; of the rest the last `max_count` are kept."""
+        after each `boundary_id`) and `extra` unless within `min_gap` of the last position (which
+        supersedes them), then every `every_units` units unless within `min_gap` of a kept position.
+        Of these the last `max_count` are kept (max_count 0 = none)."""
         end = len(tokens) - 1
         if end <= start:
             return CheckpointPlan([])
@@ -182,13 +182,10 @@ class CheckpointPlan:
         if boundary_id is not None:
             arr = np.asarray(tokens[start:end], dtype=np.int64)
             bounds.update(int(i) + start + 1 for i in np.nonzero(arr == boundary_id)[0])
-        kept: list[int] = []
-        for p in sorted(bounds, reverse=True):
-            if not kept or kept[-1] - p >= min_gap:
-                kept.append(p)
+        kept = sorted({end} | {p for p in bounds if end - p >= min_gap})
         if every_units > 0:
             step = every_units * unit
-            near = sorted(kept)
+            near = list(kept)
             for p in range((start // step + 1) * step, end, step):
                 i = bisect.bisect_left(near, p)
                 gaps = [abs(near[j] - p) for j in (i - 1, i) if 0 <= j < len(near)]

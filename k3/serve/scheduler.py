@@ -33,7 +33,7 @@ class SchedulerConfig:
     checkpoint_every_units: int = 8
     checkpoint_boundary_id: int | None = None
     max_checkpoints_per_request: int = 8
-    checkpoint_min_gap: int = 32
+    checkpoint_min_gap: int = 16
 
 
 @dataclass(eq=False)
@@ -277,8 +277,8 @@ class Scheduler:
                     return
                 if is_long and sum(r.long for r in self.running) >= c.max_long_running:
                     break
-                if req.paused:
-                    continue  # a paused request waits in its queue until resumed
+                if req.paused or self._defer(req):
+                    continue  # paused: waits until resumed; deferred: its prefix is being computed
                 if not self._admit(req):
                     return
                 if req.pending == 1:  # resumed right before its last token: it decodes next step
@@ -297,6 +297,26 @@ class Scheduler:
                 plan.prefill.append((req, n))
                 self._take(budget, req, n)
                 self._record_hit(req)
+
+    def _defer(self, req: Request) -> bool:
+        """True when a running request is about to checkpoint a longer prefix of `req` than the cache
+        holds now: admitting `req` later reuses that work instead of computing the prefix twice."""
+        if self.prefix is None:
+            return False
+        limit = len(req.tokens) - 1
+        future = [q for r in self.running if r.pending >= 2 and not r.paused for q in r.plan.positions
+                  if r.num_computed < q <= limit and q <= len(r.tokens)]
+        if not future:
+            return False
+        hit = self.prefix.lookup(req.hasher, limit)
+        have = hit.pos if hit is not None else 0
+        for r in self.running:
+            if r.paused:
+                continue
+            for q in r.plan.positions:
+                if q in future and q > have and r.num_computed < q and r.hasher.key(q) == req.hasher.key(q):
+                    return True
+        return False
 
     def _record_hit(self, req: Request) -> None:
         """Prompt tokens served from the cache are counted at the first admission only."""

@@ -91,6 +91,19 @@ def test_prefix_hit_output_identical_to_cold(make_engine, tokenizer):
     _no_leak(eng)
 
 
+def test_concurrent_requests_wait_for_a_prefix_being_computed(make_engine, tokenizer):
+    """Requests arriving together with one system prompt: the first computes it, the others are admitted
+    once its checkpoint exists (instead of all computing the same prefix at once)."""
+    rng = random.Random(8)
+    system = _conversation(rng, tokenizer, 1, 50)
+    prompts = [system + _conversation(rng, tokenizer, 1, 5 + k) + [1, 2] for k in range(3)]
+    eng = make_engine(short_prefill_budget=16, long_prefill_budget=16)
+    outs = eng.generate(prompts, GREEDY)
+    assert [o.cached_tokens for o in outs] == [0, len(system), len(system)]
+    assert eng.stats()["prompt_tokens_computed"] == sum(len(p) for p in prompts) - 2 * len(system)
+    assert [o.token_ids for o in outs] == _cold(make_engine, prompts)
+
+
 def test_copy_on_write_from_a_shared_mid_page_checkpoint(make_engine, tokenizer):
     rng = random.Random(3)
     base = random_prompt(rng, 21, tokenizer.base_size)  # prompt-end checkpoint at 20: mid-page (page 8)
