@@ -78,7 +78,9 @@ class AsyncEngine:
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _deliver(self, rid: str, item: object) -> None:
-        entry = self._streams.get(rid)
+        last = isinstance(item, BaseException) or getattr(item, "finished", False)
+        # the last item unregisters the stream here too: a consumer that never iterates must not leak
+        entry = self._streams.pop(rid, None) if last else self._streams.get(rid)
         if entry is None:
             return
         loop, q = entry

@@ -179,7 +179,8 @@ class BlockPool:
             tails[layer] = raw[:, toff: toff + L.tail_bytes].view(L.dtype).view(n, *L.tail_shape)
         return states, tails
 
-    def write_slots(self, slots: list[list[int]], states: dict[int, torch.Tensor], tails: dict[int, torch.Tensor]) -> None:
+    def write_slots(self, slots: list[list[int]], states: dict[int, torch.Tensor],
+                    tails: dict[int, torch.Tensor]) -> None:
         """Scatter states/tails (as returned by `read_slots`, updated by the model) back into the slots."""
         L = self.layout
         n = len(slots)
@@ -211,19 +212,17 @@ class PagedBatchCache:
         self.kda_state, self.conv_tail = pool.read_slots(slots) if pool.layout.kda_layers else ({}, {})
         page = pool.layout.page_size
         width = max(len(p) for p in page_tables)
-        self._tables = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.long, device=dev)
-        # where each new token's latent goes: (row, column) of the padded [N, Tmax] input -> (block, offset)
+        tables = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.long)
+        # where each new token's latent goes: (row, column) of the padded [N, Tmax] input -> (block, offset);
+        # built on the host and copied once, so a GPU forward does not synchronise here
         new_t = torch.tensor(new_lens, dtype=torch.long)
         seq = torch.repeat_interleave(torch.arange(self.num_seqs), new_t)
-        starts = torch.cumsum(new_t, 0) - new_t
-        col = torch.arange(int(new_t.sum())) - starts[seq]
+        col = torch.arange(int(new_t.sum())) - (torch.cumsum(new_t, 0) - new_t)[seq]
         pos = torch.tensor(past_lens, dtype=torch.long)[seq] + col
-        tables_cpu = self._tables.cpu()
-        self._valid = torch.zeros(self.num_seqs, max(new_lens), dtype=torch.bool)
-        self._valid[seq, col] = True
-        self._valid = self._valid.to(dev)
-        self._blocks = tables_cpu[seq, pos // page].to(dev)
-        self._offs = (pos % page).to(dev)
+        valid = torch.zeros(self.num_seqs, max(new_lens), dtype=torch.bool)
+        valid[seq, col] = True
+        self._tables, self._valid = tables.to(dev), valid.to(dev)
+        self._blocks, self._offs = tables[seq, pos // page].to(dev), (pos % page).to(dev)
 
     def mla_append(self, layer: int, new: torch.Tensor, layout) -> torch.Tensor:
         """new: [N, Tmax, D] padded latents -> written to the pages; returns [N, pages*page_size, D]."""

@@ -51,7 +51,8 @@ class ChatAssembler:
         self.tok, self.model = tokenizer, model
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.parser = StreamingParser(tokenizer, start="think" if thinking else "response", tool_call_id=new_tool_call_id)
+        self.parser = StreamingParser(tokenizer, start="think" if thinking else "response",
+                                      tool_call_id=new_tool_call_id)
         if forced_prefix:
             self.parser.feed_ids(forced_prefix)  # named tool choice: the call header is part of the prompt
         self.want_logprobs = want_logprobs
@@ -122,8 +123,9 @@ class ChatAssembler:
 
     def response(self) -> dict:
         r = self.parser.result()
-        msg: dict[str, Any] = {"role": "assistant", "content": r["content"] if r["content"] or not r["tool_calls"] else None,
-                               "reasoning_content": r["reasoning_content"], "reasoning": r["reasoning_content"]}
+        content = r["content"] if r["content"] or not r["tool_calls"] else None  # null beside tool calls
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": r["reasoning_content"],
+                               "reasoning": r["reasoning_content"]}
         if r["tool_calls"]:
             msg["tool_calls"] = r["tool_calls"]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,

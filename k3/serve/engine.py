@@ -341,8 +341,9 @@ class Engine:
         )
 
     # ---- convenience ---------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, max_steps: int = 1_000_000) -> list[FinalOutput]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 max_steps: int = 1_000_000) -> list[FinalOutput]:
         """Run prompts to completion (together with anything already queued); results in prompt order."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

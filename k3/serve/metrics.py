@@ -33,7 +33,8 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "requests_added": self.requests_added, "steps": self.steps, "prompt_tokens_computed": self.prompt_tokens_computed,
+            "requests_added": self.requests_added, "steps": self.steps,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "finished": dict(self.finished),
             "ttft_counts": list(self.ttft_counts), "ttft_sum": self.ttft_sum,

@@ -25,8 +25,8 @@ class APIError(Exception):
                  type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                             503: "server_overloaded"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        default = "server_error" if status >= 500 else "invalid_request_error"
+        self.type = type or {404: "not_found_error", 503: "server_overloaded"}.get(status, default)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -96,7 +96,8 @@ def get_stop(body: dict) -> tuple[str, ...]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or len(items) > MAX_STOP or any(
             not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in items):
-        raise bad("stop", f"must be a string or a list of at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+        raise bad("stop", f"must be a string or a list of at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} "
+                  "characters")
     return tuple(items)
 
 

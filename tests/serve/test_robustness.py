@@ -27,7 +27,8 @@ def _chat(**fields) -> dict:
 
 def _raw_bodies() -> list[bytes]:
     rng = random.Random(0)
-    bodies = [b"", b"{", b"}", b"null", b"[]", b"123", b'"text"', b"{'a': 1}", b'{"model": "k3-tiny",}', b"\xff\xfe\x00",
+    bodies = [b"", b"{", b"}", b"null", b"[]", b"123", b'"text"', b"{'a': 1}", b'{"model": "k3-tiny",}',
+              b"\xff\xfe\x00",
               b"[" * 50_000, b'{"a":' * 20_000, b'{"model": NaN}', b"1e999999", b"\x00" * 100, b"true",
               b'{"model": "k3-tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
               b'{"model": "k3-tiny", "messages": [{"role": "user", "content": "a"}], "max_tokens": 1e400}']
@@ -46,7 +47,8 @@ def _wrong_values() -> dict[str, list]:
         "presence_penalty": [1.0, "x"], "frequency_penalty": [-2.0], "logit_bias": [{"1": 5}],
         "tools": ["x", 5, [1], [{"type": "function"}], [{"type": "function", "function": {"name": 5}}],
                   [{"type": "function", "function": {"name": "f", "parameters": "x"}}]],
-        "tool_choice": [5, "sometimes", {"type": "function"}, {"type": "function", "function": {"name": "nope"}}, "required"],
+        "tool_choice": [5, "sometimes", {"type": "function"}, {"type": "function", "function": {"name": "nope"}},
+                        "required"],
         "reasoning_effort": ["none", "extreme", 5, ""], "thinking": ["on", 5, {"type": "maybe"}, {"effort": "huge"}],
         "chat_template_kwargs": [[], {"thinking": "no"}], "response_format": ["json", {"type": "xml"}, 5,
                                                                              {"type": "json_schema"}],
@@ -73,7 +75,8 @@ def _messages() -> list[dict]:
         [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
          {"role": "tool", "tool_call_id": "c2", "content": "wrong id"}],
         [{"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
-         {"role": "tool", "tool_call_id": "c1", "content": "a"}, {"role": "tool", "tool_call_id": "c1", "content": "b"}],
+         {"role": "tool", "tool_call_id": "c1", "content": "a"},
+         {"role": "tool", "tool_call_id": "c1", "content": "b"}],
         [{"role": "system", "content": "x", "tools": "bad"}],
         [{"role": "user", "content": MB}], [{"role": "user", "content": "x", "name": MB}],
         [{"role": "assistant", "content": "x", "reasoning_content": MB}],

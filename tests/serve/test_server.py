@@ -15,8 +15,9 @@ from k3.serve.async_engine import Overloaded
 from k3.serve.engine import RequestOutput
 from k3.serve.server import ServerConfig, build_app
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 def encode(tok, b: SegmentBuilder) -> list[int]:
