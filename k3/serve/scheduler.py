@@ -231,16 +231,18 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Decode every running request that has one pending token; then prefill chunks, running
-        requests first (oldest first, each class within its budget, then the pooled leftovers), then
-        newly admitted ones -- a request is admitted only together with pages for its first chunk."""
+        """Decode every running request that has one pending token; then prefill chunks: running
+        requests within their class budget (oldest first), newly admitted requests (short ones first;
+        a request is admitted only together with pages for its first chunk), and finally whatever
+        budget either class left goes to running requests that got no chunk yet."""
         plan = StepPlan()
         self._schedule_decode(plan)
         budget = {False: self.cfg.short_prefill_budget, True: self.cfg.long_prefill_budget}
         running = sorted((r for r in self.running if not r.paused and r.pending >= 2),
                          key=lambda r: (r.long, r.admit_seq))
-        if self._prefill_pass(plan, running, budget):
-            self._admit_pass(plan, budget)
+        done: set[int] = set()
+        if self._prefill_pass(plan, running, budget, done, pooled=False) and self._admit_pass(plan, budget):
+            self._prefill_pass(plan, running, budget, done, pooled=True)
         if plan.empty:
             self._unblock(plan)
         return plan
@@ -250,37 +252,39 @@ class Scheduler:
         budget[req.long] -= own
         budget[not req.long] -= n - own
 
-    def _prefill_pass(self, plan: StepPlan, reqs: list[Request], budget: dict[bool, int]) -> bool:
-        """Schedule chunks for `reqs`; False when memory ran out (stop scheduling prefill)."""
-        done: set[int] = set()
-        for pooled in (False, True):  # own class budget first, then whatever both classes left
-            for req in reqs:
-                if id(req) in done:
-                    continue
-                n = self._chunk(req, budget[False] + budget[True] if pooled else budget[req.long])
-                if n <= 0:
-                    continue
-                try:
-                    self._ensure_pages(req, req.num_computed + n)
-                except OutOfBlocks:
-                    return False
-                plan.prefill.append((req, n))
-                done.add(id(req))
-                self._take(budget, req, n)
+    def _prefill_pass(self, plan: StepPlan, reqs: list[Request], budget: dict[bool, int], done: set[int], *,
+                      pooled: bool) -> bool:
+        """Schedule one chunk for each of `reqs` not in `done`, from its class budget (or, pooled, from
+        both); False when memory ran out (stop scheduling prefill)."""
+        for req in reqs:
+            if id(req) in done:
+                continue
+            n = self._chunk(req, budget[False] + budget[True] if pooled else budget[req.long])
+            if n <= 0:
+                continue
+            try:
+                self._ensure_pages(req, req.num_computed + n)
+            except OutOfBlocks:
+                return False
+            plan.prefill.append((req, n))
+            done.add(id(req))
+            self._take(budget, req, n)
         return True
 
-    def _admit_pass(self, plan: StepPlan, budget: dict[bool, int]) -> None:
+    def _admit_pass(self, plan: StepPlan, budget: dict[bool, int]) -> bool:
+        """Admit waiting requests (short queue first) with a first chunk from their class budget, or
+        from the leftovers of both; False when memory ran out."""
         c = self.cfg
         for q, is_long in ((self.waiting_short, False), (self.waiting_long, True)):
             for req in list(q):
                 if len(self.running) >= c.max_running or budget[False] + budget[True] <= 0:
-                    return
+                    return True
                 if is_long and sum(r.long for r in self.running) >= c.max_long_running:
                     break
                 if req.paused or self._defer(req):
                     continue  # paused: waits until resumed; deferred: its prefix is being computed
                 if not self._admit(req):
-                    return
+                    return False
                 if req.pending == 1:  # resumed right before its last token: it decodes next step
                     q.remove(req)
                     self._record_hit(req)
@@ -292,11 +296,12 @@ class Scheduler:
                 except OutOfBlocks:
                     self.release(req, donate=False)  # roll back; it keeps its place in the queue
                     req.status = "waiting"
-                    return
+                    return False
                 q.remove(req)
                 plan.prefill.append((req, n))
                 self._take(budget, req, n)
                 self._record_hit(req)
+        return True
 
     def _defer(self, req: Request) -> bool:
         """True when a running request is about to checkpoint a longer prefix of `req` than the cache

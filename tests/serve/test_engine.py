@@ -132,6 +132,23 @@ def test_eviction_under_tiny_budget_never_corrupts_live_requests(make_engine, to
     _no_leak(eng)
 
 
+def test_short_requests_are_not_starved_by_long_prompts(make_engine, tokenizer):
+    rng = random.Random(9)
+    eng = make_engine(short_prefill_budget=16, long_prefill_budget=16, long_prompt_threshold=64,
+                      enable_prefix_cache=False)
+    longs = [eng.add_request(random_prompt(rng, 150, tokenizer.base_size), GREEDY) for _ in range(4)]
+    eng.step()
+    eng.step()
+    short = eng.add_request(random_prompt(rng, 30, tokenizer.base_size), GREEDY)
+    progress = {r: eng.requests[r].num_computed for r in longs}
+    steps = 0
+    while not eng.requests[short].out_ids:
+        eng.step()
+        steps += 1
+    assert steps <= 3  # 16 + 13 prompt tokens in two chunks, the last one in a decode step
+    assert sum(eng.requests[r].num_computed for r in longs) >= sum(progress.values()) + 2 * 16  # longs kept going
+
+
 def test_abort_frees_the_cache(make_engine, tokenizer):
     rng = random.Random(5)
     eng = make_engine(enable_prefix_cache=False)
