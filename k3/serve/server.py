@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from k3.chat import ChatFormatError, render_segments
 from k3.chat.xtml import SegmentBuilder
@@ -113,11 +114,14 @@ def build_app(engine: AsyncEngine, tokenizer: Any, config: ServerConfig | None =
 
 async def _read_json(st: _State, request: Request) -> Any:
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > st.cfg.max_body_bytes:
-            raise APIError(413, f"request body larger than {st.cfg.max_body_bytes} bytes", code="body_too_large")
-        chunks.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > st.cfg.max_body_bytes:
+                raise APIError(413, f"request body larger than {st.cfg.max_body_bytes} bytes", code="body_too_large")
+            chunks.append(part)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
     raw = b"".join(chunks)
     try:
         return json.loads(raw)
