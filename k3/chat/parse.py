@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -110,7 +111,7 @@ class StreamingParser:
         """Feed a text chunk, one token id or a sequence of token ids."""
         if isinstance(chunk, str):
             return self.feed_text(chunk)
-        return self.feed_ids([chunk] if isinstance(chunk, int) else chunk)
+        return self.feed_ids([chunk] if isinstance(chunk, numbers.Integral) else chunk)
 
     def feed_text(self, text: str) -> list[ChatDelta]:
         self._set_mode("text")

@@ -424,7 +424,7 @@ def render_segments(
             _tool_declare(b, m["tools"], dynamic=True)  # its content is ignored
         else:
             _plain_message(b, m, images, where)
-    if tool_choice in _TOOL_CHOICE:
+    if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE:
         _internal_message(b, "tool-choice", _TOOL_CHOICE[tool_choice])
     if fmt_kind == "json_object":
         _internal_message(b, "response-format", _FORMAT_OBJECT)

@@ -417,8 +417,8 @@ def train_bpe_tokenizer(
 ) -> BPETokenizer:
     """Train k3's byte-level BPE on `texts` (an iterable of documents).
 
-    vocab_size: total vocab including the 256 specials (>= 512). A corpus too small to learn
-        `vocab_size - 512` merges yields a smaller vocab; the specials stay at the last 256 ids.
+    vocab_size: total vocab including the 256 specials (>= 512); always met exactly: when the
+        corpus is too small for `vocab_size - 512` merges, unreachable filler tokens pad the vocab.
     """
     from tokenizers import AddedToken, decoders, models, trainers
     from tokenizers import Tokenizer as HFTokenizer
@@ -437,14 +437,33 @@ def train_bpe_tokenizer(
         show_progress=show_progress,
     )
     hf.train_from_iterator(texts, trainer=trainer)
+    hf = _pad_vocab(hf, vocab_size - NUM_SPECIAL_TOKENS)
     hf.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in SPECIAL_TOKENS])
     return BPETokenizer(hf)
 
 
+def _pad_vocab(hf: Any, size: int) -> Any:
+    """Fill the BPE vocab up to `size` with unreachable tokens (no merge produces them), so the
+    specials land at the requested ids even when the corpus is too small for all the merges."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    data = json.loads(hf.to_str())
+    vocab = data["model"]["vocab"]
+    for k in range(size - len(vocab)):
+        vocab[f"<|k3_unused_{k}|>"] = len(vocab)
+    return HFTokenizer.from_str(json.dumps(data))
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """Load the tokenizer saved in `directory`: official tiktoken if `tiktoken.model` exists,
-    else k3's BPE from `tokenizer.json`."""
+    """Load the tokenizer saved in `directory` (or given one of its files): the official tiktoken
+    kind if `tiktoken.model` exists, else k3's BPE from `tokenizer.json`."""
     directory = Path(directory)
+    if directory.is_file() and directory.name == TIKTOKEN_FILE:
+        return TikTokenTokenizer.from_file(directory)
+    if directory.is_file() and directory.name == BPE_FILE:
+        return BPETokenizer.from_file(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {directory}")
     if (directory / TIKTOKEN_FILE).is_file():
