@@ -69,7 +69,7 @@ _MAX_RUN_CHARS = 25_000
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2 byte-level alphabet: each byte -> a printable unicode character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -177,7 +177,9 @@ class Tokenizer(ABC):
         """Ids -> text; special tokens appear as their names, invalid UTF-8 as U+FFFD."""
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **render_kwargs: Any) -> tuple[list[int], list[int]]:
+    def encode_chat(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **render_kwargs: Any
+    ) -> tuple[list[int], list[int]]:
         """Render and encode a conversation -> (ids, loss_mask); see `k3.chat.render`."""
         from k3.chat.render import render
 
@@ -369,7 +371,9 @@ class BPETokenizer(Tokenizer):
         base = hf_tokenizer.get_vocab_size(with_added_tokens=True) - NUM_SPECIAL_TOKENS
         for k, name in enumerate(SPECIAL_TOKENS):
             if hf_tokenizer.token_to_id(name) != base + k:
-                raise ValueError(f"tokenizer.json: special token {name!r} must have id {base + k} (the last 256 ids, official order)")
+                raise ValueError(
+                    f"tokenizer.json: special token {name!r} must have id {base + k} (the last 256 ids, official order)"
+                )
         super().__init__(base)
         # specials are handled by Tokenizer.encode; the HF side must treat their names as text
         hf_tokenizer.encode_special_tokens = True

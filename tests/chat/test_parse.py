@@ -209,6 +209,22 @@ def test_linear_time_streaming() -> None:
     assert cost(800) / cost(200) < 8
 
 
+def test_linear_time_single_feed(tok) -> None:
+    """One big feed of ids (the batch path) must not grow its delta strings quadratically."""
+    unit = tok.encode("some reasoning words ")
+
+    def cost(n: int) -> float:
+        ids = unit * n
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            parse(ids, tok)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    assert cost(8000) / cost(2000) < 8
+
+
 # ------------------------------------------------------------------ round trip (hypothesis)
 
 _text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=40)
