@@ -1,0 +1,25 @@
+"""K3's XTML chat format: renderer (messages -> prompt text / token ids + loss mask) and the
+model-output parser (batch and streaming)."""
+
+from k3.chat.errors import ChatFormatError
+from k3.chat.parse import ChatDelta, StreamingParser, default_tool_call_id, parse
+from k3.chat.render import THINKING_EFFORTS, render, render_segments, render_text
+from k3.chat.xtml import CLOSE, END_OF_MSG, IMAGE_PLACEHOLDER, OPEN, SEP, Segment
+
+__all__ = [
+    "CLOSE",
+    "END_OF_MSG",
+    "IMAGE_PLACEHOLDER",
+    "OPEN",
+    "SEP",
+    "THINKING_EFFORTS",
+    "ChatDelta",
+    "ChatFormatError",
+    "Segment",
+    "StreamingParser",
+    "default_tool_call_id",
+    "parse",
+    "render",
+    "render_segments",
+    "render_text",
+]
