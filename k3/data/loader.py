@@ -178,6 +178,9 @@ class PackedLoader:
         """Restore position and shape; the stream, seed and shuffle must match the saved ones."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"state_dict: unsupported loader state version {state.get('version')!r}")
+        missing = {"seed", "shuffle", "epoch", "cursor", "seq_len", "batch_size", "num_tokens", "fingerprint"} - set(state)
+        if missing:
+            raise ValueError(f"state_dict: missing keys {sorted(missing)}")
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("num_tokens", self.stream.num_tokens),
                           ("fingerprint", self.stream.fingerprint)):
             if state[key] != mine:

@@ -171,6 +171,8 @@ def test_load_state_rejects_a_different_setup():
         PackedLoader(_stream(seed=1), 8, 4, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         PackedLoader(stream, 8, 4, seed=1).load_state_dict({**state, "version": 99})
+    with pytest.raises(ValueError, match="missing keys"):
+        PackedLoader(stream, 8, 4, seed=1).load_state_dict({"version": state["version"], "seed": 1})
 
 
 # ------------------------------------------------------------------------------ stage switch
