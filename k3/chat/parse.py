@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -98,7 +99,7 @@ class StreamingParser:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._marker_ids: dict[int, str] | None = None
         self._mode: str | None = None
-        self._out: list[ChatDelta] = []
+        self._out: list[tuple[str, Any]] = []  # pending deltas: (kind, text parts | tool call)
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: list[dict] = []
@@ -110,7 +111,7 @@ class StreamingParser:
         """Feed a text chunk, one token id or a sequence of token ids."""
         if isinstance(chunk, str):
             return self.feed_text(chunk)
-        return self.feed_ids([chunk] if isinstance(chunk, int) else chunk)
+        return self.feed_ids([chunk] if isinstance(chunk, numbers.Integral) else chunk)
 
     def feed_text(self, text: str) -> list[ChatDelta]:
         self._set_mode("text")
@@ -157,9 +158,12 @@ class StreamingParser:
         return self._drain()
 
     def result(self) -> dict:
-        """{"reasoning_content": str, "content": str, "tool_calls": [{id, type, function}]}."""
+        """{"reasoning_content": str, "content": str, "tool_calls": [{id, type, function}]}
+        accumulated so far."""
+        self._reasoning[:] = ["".join(self._reasoning)]  # keep repeated calls cheap
+        self._content[:] = ["".join(self._content)]
         calls = [{"id": c["id"], "type": c["type"], "function": dict(c["function"])} for c in self._calls]
-        return {"reasoning_content": "".join(self._reasoning), "content": "".join(self._content), "tool_calls": calls}
+        return {"reasoning_content": self._reasoning[0], "content": self._content[0], "tool_calls": calls}
 
     # ------------------------------------------------------------------ events
 
@@ -170,15 +174,17 @@ class StreamingParser:
             raise ValueError("cannot mix text chunks and token ids in one parser")
 
     def _drain(self) -> list[ChatDelta]:
-        out, self._out = self._out, []
+        out = [ChatDelta(kind, text="".join(item)) if kind != TOOL_CALL else ChatDelta(kind, tool_call=item)
+               for kind, item in self._out]
+        self._out = []
         return out
 
     def _emit_text(self, kind: str, text: str) -> None:
         (self._reasoning if kind == REASONING else self._content).append(text)
-        if self._out and self._out[-1].kind == kind:
-            self._out[-1].text += text
+        if self._out and self._out[-1][0] == kind:
+            self._out[-1][1].append(text)  # joined once in _drain: no quadratic string growth
         else:
-            self._out.append(ChatDelta(kind, text))
+            self._out.append((kind, [text]))
 
     def _on_text(self, text: str) -> None:
         if not text or self.done:
@@ -282,7 +288,7 @@ class StreamingParser:
             arguments = json.dumps(frame.args, ensure_ascii=False)
         call = {"id": self._make_id(index, name), "type": "function", "function": {"name": name, "arguments": arguments}}
         self._calls.append(call)
-        self._out.append(ChatDelta(TOOL_CALL, tool_call={"index": index, **call}))
+        self._out.append((TOOL_CALL, {"index": index, **call}))
 
 
 def parse(

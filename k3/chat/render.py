@@ -368,7 +368,9 @@ def _check_options(thinking_effort: Any, tool_choice: Any, response_format: Any)
             f"thinking_effort: invalid value {thinking_effort!r} (expected one of {', '.join(THINKING_EFFORTS)} or None)"
         )
     if tool_choice is not None and not isinstance(tool_choice, dict) and tool_choice not in ("auto", "none", "required"):
-        raise ChatFormatError(f"tool_choice: invalid value {tool_choice!r} (expected auto, none, required or a named choice)")
+        raise ChatFormatError(
+            f"tool_choice: invalid value {tool_choice!r} (expected auto, none, required or a named choice)"
+        )
     if response_format is None:
         return None, None
     kind = response_format.get("type") if isinstance(response_format, dict) else response_format
@@ -424,7 +426,7 @@ def render_segments(
             _tool_declare(b, m["tools"], dynamic=True)  # its content is ignored
         else:
             _plain_message(b, m, images, where)
-    if tool_choice in _TOOL_CHOICE:
+    if isinstance(tool_choice, str) and tool_choice in _TOOL_CHOICE:
         _internal_message(b, "tool-choice", _TOOL_CHOICE[tool_choice])
     if fmt_kind == "json_object":
         _internal_message(b, "response-format", _FORMAT_OBJECT)
@@ -478,7 +480,9 @@ def render_text(
     )
 
 
-def render(messages: Sequence[dict], tokenizer: Any, tools: Sequence[dict] | None = None, **kwargs: Any) -> tuple[list[int], list[int]]:
+def render(
+    messages: Sequence[dict], tokenizer: Any, tools: Sequence[dict] | None = None, **kwargs: Any
+) -> tuple[list[int], list[int]]:
     """Render and tokenize a conversation -> (token_ids, loss_mask), both of length T.
 
     loss_mask[t] is 1 exactly for tokens the assistant produced (each assistant turn after its

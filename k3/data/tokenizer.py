@@ -69,7 +69,7 @@ _MAX_RUN_CHARS = 25_000
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2 byte-level alphabet: each byte -> a printable unicode character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -177,7 +177,9 @@ class Tokenizer(ABC):
         """Ids -> text; special tokens appear as their names, invalid UTF-8 as U+FFFD."""
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **render_kwargs: Any) -> tuple[list[int], list[int]]:
+    def encode_chat(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **render_kwargs: Any
+    ) -> tuple[list[int], list[int]]:
         """Render and encode a conversation -> (ids, loss_mask); see `k3.chat.render`."""
         from k3.chat.render import render
 
@@ -369,7 +371,9 @@ class BPETokenizer(Tokenizer):
         base = hf_tokenizer.get_vocab_size(with_added_tokens=True) - NUM_SPECIAL_TOKENS
         for k, name in enumerate(SPECIAL_TOKENS):
             if hf_tokenizer.token_to_id(name) != base + k:
-                raise ValueError(f"tokenizer.json: special token {name!r} must have id {base + k} (the last 256 ids, official order)")
+                raise ValueError(
+                    f"tokenizer.json: special token {name!r} must have id {base + k} (the last 256 ids, official order)"
+                )
         super().__init__(base)
         # specials are handled by Tokenizer.encode; the HF side must treat their names as text
         hf_tokenizer.encode_special_tokens = True
@@ -417,8 +421,8 @@ def train_bpe_tokenizer(
 ) -> BPETokenizer:
     """Train k3's byte-level BPE on `texts` (an iterable of documents).
 
-    vocab_size: total vocab including the 256 specials (>= 512). A corpus too small to learn
-        `vocab_size - 512` merges yields a smaller vocab; the specials stay at the last 256 ids.
+    vocab_size: total vocab including the 256 specials (>= 512); always met exactly: when the
+        corpus is too small for `vocab_size - 512` merges, unreachable filler tokens pad the vocab.
     """
     from tokenizers import AddedToken, decoders, models, trainers
     from tokenizers import Tokenizer as HFTokenizer
@@ -437,14 +441,33 @@ def train_bpe_tokenizer(
         show_progress=show_progress,
     )
     hf.train_from_iterator(texts, trainer=trainer)
+    hf = _pad_vocab(hf, vocab_size - NUM_SPECIAL_TOKENS)
     hf.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in SPECIAL_TOKENS])
     return BPETokenizer(hf)
 
 
+def _pad_vocab(hf: Any, size: int) -> Any:
+    """Fill the BPE vocab up to `size` with unreachable tokens (no merge produces them), so the
+    specials land at the requested ids even when the corpus is too small for all the merges."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    data = json.loads(hf.to_str())
+    vocab = data["model"]["vocab"]
+    for k in range(size - len(vocab)):
+        vocab[f"<|k3_unused_{k}|>"] = len(vocab)
+    return HFTokenizer.from_str(json.dumps(data))
+
+
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
-    """Load the tokenizer saved in `directory`: official tiktoken if `tiktoken.model` exists,
-    else k3's BPE from `tokenizer.json`."""
+    """Load the tokenizer saved in `directory` (or given one of its files): the official tiktoken
+    kind if `tiktoken.model` exists, else k3's BPE from `tokenizer.json`."""
     directory = Path(directory)
+    if directory.is_file() and directory.name == TIKTOKEN_FILE:
+        return TikTokenTokenizer.from_file(directory)
+    if directory.is_file() and directory.name == BPE_FILE:
+        return BPETokenizer.from_file(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory not found: {directory}")
     if (directory / TIKTOKEN_FILE).is_file():
