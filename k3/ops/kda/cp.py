@@ -84,7 +84,7 @@ def kda_segment_transform(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor | None = None,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> Transform:
     """Affine transform of a segment: S_out = M S_in + S_ext, per sequence and head.
 
