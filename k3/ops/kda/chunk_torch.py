@@ -282,9 +282,9 @@ def chunk_kda_torch(
         beta: [B, T, H]. scale: default K ** -0.5.
         initial_state: [N, H, K, V]; N = B, or the number of packed sequences with cu_seqlens.
         cu_seqlens: [N + 1] int32/int64 cumulative lengths (B == 1); the state resets per sequence.
-        chunk_size: a multiple of 16. 16 is fastest on CPU (measured: 16 < 32 < 64 in time,
-            64 is ~5x slower) and keeps every exponential >= e^-80 for K3 gates (g > -5),
-            so no float32 denormals arise (x86 slows ~3x on them).
+        chunk_size: a multiple of 16. 16 is fastest on CPU (measured fwd+bwd: 32 is ~1.5x and
+            64 ~5x slower) and keeps every exponential >= e^-80 for K3 gates (g > -5), so
+            float32 denormals, on which x86 slows several-fold, stay rare.
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] (or None) in float32, float64 for
         float64 q. Compute runs in float32 (float64 for float64 q).
