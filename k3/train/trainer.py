@@ -135,7 +135,7 @@ class Trainer:
         self._set_stage()
         t0 = time.perf_counter()
         self.model.train()
-        batch = self.data.loader.next_batch()
+        batch = next(self.data.loader)
         ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
         with self._autocast():
             loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
