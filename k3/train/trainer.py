@@ -79,11 +79,11 @@ class Trainer:
         vocab = self.cfg.vocab_size
         if vocab is not None and vocab != mc.text_config.vocab_size:
             overrides["vocab_size"] = vocab
-        if overrides:
-            mc = apply_overrides(mc, overrides)
-        base = mc.text_config.vocab_size - 256  # k3's tokenizers keep the 256 specials at the end
-        mc.bos_token_id, mc.eos_token_id, mc.pad_token_id = base, base + 2, base + 255
-        mc.media_placeholder_token_id = base + 21
+        # k3's tokenizers keep the 256 official special tokens at the last 256 ids, in official order.
+        base = overrides.get("vocab_size", mc.text_config.vocab_size) - 256
+        overrides.update(bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255,
+                         media_placeholder_token_id=base + 21)
+        mc = apply_overrides(mc, overrides)
         mc.dtype = "float32" if self.device.type == "cpu" else "bfloat16"
         mc.quantization_config = None  # experts train in full precision; QAT comes later
         return mc.validate()
