@@ -215,7 +215,7 @@ class Trainer:
 
     def export(self, path: str) -> None:
         """The final model in the official checkpoint format, plus the tokenizer files."""
-        self.model.save_pretrained(path)
+        self.model.save_pretrained(path, dtype="float32" if self.model_config.dtype == "float32" else None)
         self.data.tokenizer.save(path)
         self.progress.message(f"saved {path}")
 
