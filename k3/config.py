@@ -419,15 +419,21 @@ def get_preset(name: str) -> K3Config:
 def apply_overrides(cfg: K3Config, overrides: dict[str, Any]) -> K3Config:
     """Apply `{"text_config": {...}, ...}` (or flat text-config keys) overrides and re-validate."""
     d = cfg.to_dict()
+    text = d["text_config"]
+
+    def set_text(key: str, value: Any) -> None:
+        if key == "linear_attn_config" and isinstance(value, dict):
+            text["linear_attn_config"].update(value)  # merge: keep the layout unless it is overridden
+        else:
+            text[key] = value
+
+    top_level = {f.name for f in dataclasses.fields(K3Config)} - {"text_config"}
     for k, v in overrides.items():
         if k == "text_config" and isinstance(v, dict):
             for tk, tv in v.items():
-                if tk == "linear_attn_config" and isinstance(tv, dict):
-                    d["text_config"]["linear_attn_config"].update(tv)
-                else:
-                    d["text_config"][tk] = tv
-        elif k in d or k in {f.name for f in dataclasses.fields(K3Config)}:
+                set_text(tk, tv)
+        elif k in top_level:
             d[k] = v
         else:
-            d["text_config"][k] = v
+            set_text(k, v)
     return K3Config.from_dict(d)

@@ -142,11 +142,17 @@ class K3ForCausalLM(nn.Module):
         load_checkpoint(model, path, dtype=dtype or DTYPES[config.dtype], device=device or "cpu", strict=strict)
         return model
 
-    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        """Write the official layout: sharded safetensors + index + config.json (atomically)."""
+    def save_pretrained(self, path: str | os.PathLike, *, max_shard_bytes: int = 5 * 2**30,
+                        experts_format: str | None = None, dtype: str | None = None) -> list[str]:
+        """Write the official layout: sharded safetensors + index + config.json (atomically).
+
+        Tensors are stored BF16 (the official dtypes) unless `dtype="float32"`; experts are
+        MXFP4-packed when the config has the MXFP4 quantization_config (or `experts_format="mxfp4"`).
+        """
         from k3.model.checkpoint import save_checkpoint
 
-        save_checkpoint(self, self.config, path, **kwargs)
+        return save_checkpoint(self, self.config, path, max_shard_bytes=max_shard_bytes,
+                               experts_format=experts_format, dtype=dtype)
 
 
 __all__ = ["K3ForCausalLM", "CausalLMOutput", "ResVector"]

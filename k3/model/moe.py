@@ -22,8 +22,8 @@ class Router(nn.Module):
         self.renormalize, self.scaling = config.moe_renormalize, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", keep_fp32(torch.zeros(config.num_experts)))
-        self.record_scores = False  # set by the trainer: keep the last scores for Quantile Balancing
-        self.last_scores: torch.Tensor | None = None
+        # Set by the trainer (Quantile Balancing): called as observer(scores [N, E] fp32, bias [E]).
+        self.score_observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (expert ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32)."""
@@ -33,8 +33,8 @@ class Router(nn.Module):
         w = scores.gather(-1, idx)
         if self.renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if self.record_scores:
-            self.last_scores = scores.detach()
+        if self.score_observer is not None and self.training:
+            self.score_observer(scores.detach(), self.e_score_correction_bias)
         return idx, w * self.scaling, scores
 
 

@@ -1,0 +1,129 @@
+"""Training configuration: a typed dataclass, TOML/JSON overrides, and the context-extension stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Stage:
+    """One stage of progressive context extension: rows of `seq_len` tokens for `fraction` of the run."""
+
+    seq_len: int
+    fraction: float
+
+
+@dataclass
+class TrainConfig:
+    """Everything `k3 train` needs besides the model config (which comes from `preset` + `model`).
+
+    tokens_per_step stays constant across stages: batch size = tokens_per_step // seq_len.
+    Learning rates follow warmup-stable-decay: linear warmup, flat, then linear decay to
+    `min_lr_ratio * lr` over the last `decay_fraction` of the steps.
+    """
+
+    preset: str = "k3-tiny"
+    model: dict[str, Any] = field(default_factory=dict)  # overrides of the model config (text_config keys)
+    data: str | None = None  # None = the Python stdlib source of the running interpreter
+    out: str | None = None
+    max_steps: int = 600
+    seed: int = 0
+    deterministic: bool = False
+    tokens_per_step: int = 4096
+    stages: list[Stage] = field(default_factory=lambda: [Stage(256, 0.7), Stage(1024, 0.2), Stage(4096, 0.1)])
+    lr: float = 3e-3  # Muon (update RMS matched to AdamW, so the same scale as AdamW's)
+    adamw_lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    decay_fraction: float = 0.3
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    val_fraction: float = 0.01
+    eval_every: int = 100
+    eval_tokens: int = 16384
+    eval_seq_len: int = 256
+    save_every: int = 200
+    log_every: int = 1
+    vocab_size: int | None = None  # tokenizer vocab; default = the model's vocab_size
+    tokenizer: str | None = None  # an existing tokenizer dir (e.g. with the official tiktoken.model)
+    quantile_balancing: bool = True
+    qb_bins: int = 256
+    activation_checkpointing: bool = False
+    compile: bool = False
+    device: str | None = None  # default: cuda if available else cpu
+    cache_dir: str | None = None  # tokenised-corpus cache; default ~/.cache/k3
+
+    def validate(self) -> "TrainConfig":
+        def bad(name: str, rule: str) -> None:
+            raise ValueError(f"train config {name}={getattr(self, name)!r}: {rule}")
+
+        if self.max_steps < 1:
+            bad("max_steps", "must be >= 1")
+        if not self.stages:
+            bad("stages", "needs at least one stage")
+        if abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
+            bad("stages", "fractions must sum to 1")
+        for s in self.stages:
+            if s.seq_len < 2 or self.tokens_per_step % s.seq_len:
+                bad("stages", f"seq_len {s.seq_len} must be >= 2 and divide tokens_per_step={self.tokens_per_step}")
+        if self.lr <= 0 or self.adamw_lr <= 0:
+            bad("lr", "learning rates must be positive")
+        if not 0 <= self.decay_fraction <= 1:
+            bad("decay_fraction", "must be in [0, 1]")
+        if not 0 < self.val_fraction < 1:
+            bad("val_fraction", "must be in (0, 1)")
+        if self.grad_clip < 0:
+            bad("grad_clip", "must be >= 0 (0 = off)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown train config keys {unknown}; known: {sorted(names)}")
+        d = dict(d)
+        if "stages" in d:
+            d["stages"] = [s if isinstance(s, Stage) else Stage(**s) for s in d["stages"]]
+        return cls(**d)
+
+
+def load_overrides(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON or TOML file of overrides: top-level TrainConfig keys, plus a `model` table of
+    model-config overrides."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return tomllib.loads(data.decode()) if path.endswith(".toml") else json.loads(data)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot parse overrides ({e})") from None
+
+
+def stage_at(cfg: TrainConfig, step: int) -> int:
+    """Index of the context-extension stage that contains optimizer step `step` (0-based)."""
+    edge = 0.0
+    for i, s in enumerate(cfg.stages):
+        edge += s.fraction * cfg.max_steps
+        if step < round(edge):
+            return i
+    return len(cfg.stages) - 1
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Warmup-stable-decay multiplier for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_start = cfg.max_steps * (1 - cfg.decay_fraction)
+    if step < decay_start or cfg.decay_fraction == 0:
+        return 1.0
+    t = (step - decay_start) / max(1.0, cfg.max_steps - decay_start)
+    return 1.0 - (1.0 - cfg.min_lr_ratio) * min(1.0, t)

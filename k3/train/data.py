@@ -1,0 +1,41 @@
+"""Glue between `k3.data` and the trainer: corpus -> tokenizer -> packed streams -> loaders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from k3.config import K3Config
+from k3.data.loader import Batch, PackedLoader, iter_val_batches
+from k3.data.packing import prepare_data as prepare_streams
+from k3.data.packing import unigram_entropy
+from k3.train.config import TrainConfig
+
+
+@dataclass
+class TrainData:
+    tokenizer: Any
+    loader: PackedLoader
+    val_batches: list[Batch]
+    unigram_entropy: float
+    train_tokens: int
+
+
+def prepare_data(cfg: TrainConfig, model_config: K3Config, log: Callable[[str], None]) -> TrainData:
+    vocab = cfg.vocab_size or model_config.text_config.vocab_size
+    prep = prepare_streams(cfg.data, cache_dir=cfg.cache_dir, tokenizer=cfg.tokenizer, vocab_size=vocab,
+                           val_fraction=cfg.val_fraction, split_seed=cfg.seed)
+    if prep.tokenizer.vocab_size != model_config.text_config.vocab_size:
+        raise ValueError(f"tokenizer vocab {prep.tokenizer.vocab_size} != model vocab_size "
+                         f"{model_config.text_config.vocab_size}; set vocab_size in the model overrides")
+    if prep.val is None:
+        raise ValueError("the corpus is too small for a validation split (need >= 2 documents)")
+    first = cfg.stages[0].seq_len
+    loader = PackedLoader(prep.train, first, cfg.tokens_per_step // first, seed=cfg.seed)
+    # Validation at one fixed length for the whole run, so the curve is comparable across stages.
+    bs = max(1, cfg.tokens_per_step // cfg.eval_seq_len)
+    val = list(iter_val_batches(prep.val, cfg.eval_seq_len, bs, cfg.eval_tokens))
+    h = unigram_entropy(prep.train)
+    log(f"data: {prep.num_train_docs} train / {prep.num_val_docs} val documents, {prep.train.num_tokens:,} train "
+        f"tokens, {sum(b.num_tokens for b in val):,} val tokens, unigram entropy {h:.3f} nats/token")
+    return TrainData(prep.tokenizer, loader, val, h, prep.train.num_tokens)

@@ -1,0 +1,111 @@
+"""Training telemetry: JSONL metrics, a live one-line progress display, and the PNG loss curve."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `path` (flushed, so a crash loses nothing written)."""
+
+    def __init__(self, path: str, resume: bool = False) -> None:
+        self.path = path
+        self._f = open(path, "a" if resume else "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Drop records past `last_step` (used on resume, so the log has no duplicated steps)."""
+    if not os.path.exists(path):
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", -1) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in keep:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+class Progress:
+    """A single updating status line: step, loss, tokens/s, ETA, expert balance."""
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stderr) -> None:
+        self.total, self.stream = total_steps, stream
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+        self._last_plain = 0.0
+
+    def update(self, step: int, loss: float, tok_s: float, balance: float | None, extra: str = "") -> None:
+        done = step + 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(done, 1) * (self.total - done)
+        width = 24
+        fill = int(width * done / self.total)
+        bar = "#" * fill + "." * (width - fill)
+        bal = f" bal {balance:.2f}" if balance is not None and math.isfinite(balance) else ""
+        line = (f"[{bar}] {done}/{self.total} loss {loss:.4f} {tok_s:,.0f} tok/s{bal} "
+                f"eta {_fmt(eta)}{(' ' + extra) if extra else ''}")
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line)
+        elif time.perf_counter() - self._last_plain > 5 or done == self.total:  # logs: one line every 5 s
+            self.stream.write(line + "\n")
+            self._last_plain = time.perf_counter()
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        self.stream.write(("\r\x1b[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def _fmt(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds % 3600 // 60:02d}"
+
+
+def plot_losses(metrics_path: str, png_path: str) -> bool:
+    """Write the loss curve (training loss and validation loss vs step). Returns False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    recs = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), lw=0.8, alpha=0.8, label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", lw=1.5, label="validation loss")
+    for r in recs:
+        if r.get("event") == "stage":
+            ax.axvline(r["step"], color="grey", ls=":", lw=0.8)
+            ax.text(r["step"], ax.get_ylim()[1], f" T={r['seq_len']}", va="top", fontsize=7, color="grey")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return True

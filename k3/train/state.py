@@ -1,0 +1,50 @@
+"""Resumable training state, written atomically (temporary file + rename)."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+STATE_FILE = "train_state.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(directory: str, state: dict[str, Any]) -> str:
+    """torch.save `state` to directory/train_state.pt atomically; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, STATE_FILE)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_state(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no training checkpoint at {path} (nothing to resume)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated/corrupt file: say which one
+        raise RuntimeError(f"cannot read training checkpoint {path}: {e}") from e

@@ -1,0 +1,227 @@
+"""The K3 pre-training loop: packed documents, progressive context extension, Per-Head Muon,
+Quantile Balancing, warmup-stable-decay, periodic validation, atomic checkpoints and exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3.config import K3Config, apply_overrides, get_preset
+from k3.model.causal_lm import K3ForCausalLM
+from k3.model.moe import LatentMoE
+from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer, build_param_groups
+from k3.train.config import TrainConfig, lr_factor, stage_at
+from k3.train.data import TrainData, prepare_data
+from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
+from k3.train.state import load_state, rng_state, save_state, set_rng_state
+
+
+@dataclass
+class TrainResult:
+    out_dir: str
+    steps: int
+    first_val_loss: float | None
+    last_val_loss: float | None
+    unigram_entropy: float
+    interrupted: bool = False
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+        self.cfg = cfg.validate()
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
+        os.makedirs(self.out, exist_ok=True)
+        self.ckpt_dir = os.path.join(self.out, "checkpoint")
+        self.progress = Progress(cfg.max_steps)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+            if self.device.type == "cpu":
+                torch.set_num_threads(1)  # fixed reduction order across runs and machines
+        torch.manual_seed(cfg.seed)
+
+        self.model_config = self._model_config()
+        self.data: TrainData = prepare_data(cfg, self.model_config, self.progress.message)
+        self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
+        self.model.model.gradient_checkpointing = cfg.activation_checkpointing
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        geom = HeadGeometry.from_config(self.model_config.text_config)
+        groups = build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr)
+        self.base_lrs = [g["lr"] for g in groups]
+        self.opt = PerHeadMuon(groups)
+        self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
+                    if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
+        tc = self.model_config.text_config
+        self.qb = QuantileBalancer(num_layers=tc.num_hidden_layers, num_experts=tc.num_experts,
+                                   top_k=tc.num_experts_per_token, bins=cfg.qb_bins)
+        if cfg.quantile_balancing:
+            for i, moe in self.moe.items():
+                moe.gate.score_observer = functools.partial(self.qb.observe, i)
+        self.step = 0
+        self.stage = -1
+        self.val_history: list[float] = []
+        if resume:
+            self._resume()
+        self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"), resume=resume)
+
+    # ---- setup --------------------------------------------------------------------------------
+    def _model_config(self) -> K3Config:
+        mc = get_preset(self.cfg.preset)
+        overrides = dict(self.cfg.model)
+        vocab = self.cfg.vocab_size
+        if vocab is not None and vocab != mc.text_config.vocab_size:
+            overrides["vocab_size"] = vocab
+        # k3's tokenizers keep the 256 official special tokens at the last 256 ids, in official order.
+        base = overrides.get("vocab_size", mc.text_config.vocab_size) - 256
+        overrides.update(bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255,
+                         media_placeholder_token_id=base + 21)
+        mc = apply_overrides(mc, overrides)
+        mc.dtype = "float32" if self.device.type == "cpu" else "bfloat16"
+        mc.quantization_config = None  # experts train in full precision; QAT comes later
+        return mc.validate()
+
+    def _resume(self) -> None:
+        st = load_state(self.ckpt_dir)
+        if st["train_config"] != self.cfg.to_dict() | {"out": st["train_config"]["out"]}:
+            changed = sorted(k for k, v in self.cfg.to_dict().items()
+                             if k != "out" and st["train_config"].get(k) != v)
+            raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.qb.load_state_dict(st["qb"])
+        self.data.loader.load_state_dict(st["loader"])
+        set_rng_state(st["rng"])
+        self.step, self.stage, self.val_history = st["step"], st["stage"], st["val_history"]
+        truncate_metrics(os.path.join(self.out, "metrics.jsonl"), self.step - 1)
+        self.progress.message(f"resumed from {self.ckpt_dir} at step {self.step}")
+
+    def save(self) -> None:
+        save_state(self.ckpt_dir, {
+            "step": self.step, "stage": self.stage, "val_history": self.val_history,
+            "train_config": self.cfg.to_dict() | {"out": self.out},
+            "model_config": self.model_config.to_dict(),
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "qb": self.qb.state_dict(),
+            "loader": self.data.loader.state_dict(), "rng": rng_state(),
+        })
+
+    # ---- loop -----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _set_stage(self) -> None:
+        s = stage_at(self.cfg, self.step)
+        if s == self.stage:
+            return
+        seq = self.cfg.stages[s].seq_len
+        self.data.loader.set_shape(seq, self.cfg.tokens_per_step // seq)
+        if self.stage >= 0 or self.step == 0:
+            self.log.write({"event": "stage", "step": self.step, "stage": s, "seq_len": seq,
+                            "batch_size": self.cfg.tokens_per_step // seq})
+            self.progress.message(f"step {self.step}: context stage {s} -> seq_len {seq}, "
+                                  f"batch {self.cfg.tokens_per_step // seq}")
+        self.stage = s
+
+    def train_step(self) -> dict[str, Any]:
+        self._set_stage()
+        t0 = time.perf_counter()
+        self.model.train()
+        batch = next(self.data.loader)
+        ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+        with self._autocast():
+            loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        f = lr_factor(self.cfg, self.step)
+        for g, base in zip(self.opt.param_groups, self.base_lrs):
+            g["lr"] = base * f
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        balance = None
+        if self.cfg.quantile_balancing and self.moe:
+            self.qb.step({i: m.gate.e_score_correction_bias for i, m in self.moe.items()})
+            lb = [v for v in self.qb.load_balance().values() if math.isfinite(v)]
+            balance = max(lb) if lb else None
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": loss.item(), "lr": self.base_lrs[0] * f, "grad_norm": gnorm.item(),
+               "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
+        if balance is not None:
+            rec["max_load_ratio"] = balance
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        total, count = 0.0, 0
+        for batch in self.data.val_batches:
+            ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+            with self._autocast():
+                loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+            n = int((labels != -100).sum())
+            total += loss.item() * n
+            count += n
+        return total / max(count, 1)
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        interrupted = False
+        if self.step == 0:
+            self.log.write({"event": "start", "step": 0, "unigram_entropy": self.data.unigram_entropy,
+                            "params": self.model.num_parameters()[0], "active_params": self.model.num_parameters()[1],
+                            "train_tokens": self.data.train_tokens, "device": str(self.device)})
+            val = self.evaluate()
+            self.val_history.append(val)
+            self.log.write({"step": 0, "val_loss": val})
+            self.progress.message(f"step 0: val_loss {val:.4f} (unigram baseline {self.data.unigram_entropy:.4f})")
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM saves like Ctrl-C
+        try:
+            while self.step < cfg.max_steps:
+                rec = self.train_step()
+                self.log.write(rec)
+                if not math.isfinite(rec["loss"]):
+                    raise FloatingPointError(f"loss became {rec['loss']} at step {self.step}")
+                self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"))
+                self.step += 1
+                if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
+                    val = self.evaluate()
+                    self.val_history.append(val)
+                    self.log.write({"step": self.step, "val_loss": val})
+                    self.progress.message(f"step {self.step}: val_loss {val:.4f}")
+                    plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+                if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                    self.save()
+        except KeyboardInterrupt:
+            interrupted = True
+            self.progress.message(f"interrupted at step {self.step}: saving {self.ckpt_dir}")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        self.save()
+        plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+        if not interrupted:
+            self.export(os.path.join(self.out, "final"))
+        self.log.close()
+        return TrainResult(self.out, self.step, self.val_history[0] if self.val_history else None,
+                           self.val_history[-1] if self.val_history else None, self.data.unigram_entropy, interrupted)
+
+    def export(self, path: str) -> None:
+        """The final model in the official checkpoint format, plus the tokenizer files."""
+        self.model.save_pretrained(path, dtype="float32" if self.model_config.dtype == "float32" else None)
+        self.data.tokenizer.save(path)
+        self.progress.message(f"saved {path}")
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
+    return Trainer(cfg, resume=resume).run()
+
+
+__all__ = ["Trainer", "TrainResult", "train"]

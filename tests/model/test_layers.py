@@ -1,0 +1,143 @@
+"""The facts that are easy to get wrong, one test each."""
+
+import pytest
+import torch
+
+from k3.config import k3_tiny, kimi_k3
+from k3.model.cache import SeqLayout
+from k3.model.common import rms_norm, situ_glu
+from k3.model.kda import causal_conv_silu
+from k3.model.mla import MLA_NORM_EPS, GatedMLA
+from k3.model.moe import LatentMoE, RoutedExperts, Router
+
+
+def test_official_layout_last_two_layers_are_mla():
+    tc = kimi_k3().text_config
+    assert tc.is_mla(91) and tc.is_mla(92) and not tc.is_mla(90)
+    assert len(tc.mla_layers) == 24 and sum(not tc.is_mla(i) for i in range(93)) == 69
+    assert not tc.is_moe(0) and all(tc.is_moe(i) for i in range(1, 93))
+
+
+def test_rms_norm_normalises_in_fp32_then_casts():
+    x = torch.randn(4, 64, dtype=torch.bfloat16) * 30
+    w = torch.randn(64, dtype=torch.bfloat16)
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(rms_norm(x, w, 1e-5), want)
+
+
+def test_mla_norms_use_eps_1e6_and_k_pe_is_not_normalised():
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, 2)
+    assert mla.q_a_layernorm.eps == MLA_NORM_EPS == 1e-6 and mla.kv_a_layernorm.eps == 1e-6
+    x = torch.randn(1, 5, cfg.hidden_size)
+    lat = mla._latent(x)
+    raw = mla.kv_a_proj_with_mqa(x)
+    torch.testing.assert_close(lat[..., cfg.kv_lora_rank:], raw[..., cfg.kv_lora_rank:], rtol=0, atol=0)
+    c = raw[..., : cfg.kv_lora_rank]
+    torch.testing.assert_close(lat[..., : cfg.kv_lora_rank], rms_norm(c, mla.kv_a_layernorm.weight, 1e-6))
+
+
+def test_situ_limits():
+    a = torch.randn(1000) * 0.01
+    b = torch.randn(1000) * 0.01
+    torch.testing.assert_close(situ_glu(a, b, 4.0, 25.0), a * torch.sigmoid(a) * b, rtol=1e-3, atol=1e-9)
+    big = situ_glu(torch.full((3,), 1e4), torch.full((3,), 1e4), 4.0, 25.0)
+    assert (big.abs() <= 100).all() and (big > 99).all()  # tanh saturates to 1 in fp32
+
+
+def test_router_bias_only_selects():
+    cfg = k3_tiny().text_config
+    r = Router(cfg)
+    torch.nn.init.normal_(r.weight, std=0.5)
+    x = torch.randn(16, cfg.hidden_size)
+    r.e_score_correction_bias[:4] = 100.0  # forces experts 0..3 to be chosen for every token
+    idx, w, scores = r(x)
+    assert (idx.sort(-1).values == torch.arange(4)).all()
+    s = torch.sigmoid(x @ r.weight.t())
+    torch.testing.assert_close(w, s[:, :4].gather(-1, idx) / s[:, :4].sum(-1, keepdim=True) * cfg.routed_scaling_factor)
+    torch.testing.assert_close(w.sum(-1), torch.ones(16))
+
+
+def _experts_loop(ex: RoutedExperts, z, idx, w):
+    out = torch.zeros(z.shape[0], ex.w2.shape[1], dtype=torch.float32)
+    for t in range(z.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[t, j]
+            h = situ_glu(z[t] @ ex.w1[e].t(), z[t] @ ex.w3[e].t(), ex.beta, ex.beta_lin)
+            out[t] += w[t, j] * (h @ ex.w2[e].t()).float()
+    return out
+
+
+def test_routed_experts_match_per_token_loop():
+    cfg = k3_tiny().text_config
+    ex = RoutedExperts(cfg)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    z = torch.randn(13, cfg.routed_expert_hidden_size)
+    idx = torch.stack([torch.randperm(cfg.num_experts)[: cfg.num_experts_per_token] for _ in range(13)])
+    w = torch.rand(13, cfg.num_experts_per_token)
+    torch.testing.assert_close(ex(z, idx, w), _experts_loop(ex, z, idx, w), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_weight_transform_is_the_single_hook():
+    cfg = k3_tiny().text_config
+    moe = LatentMoE(cfg)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(7, cfg.hidden_size)
+    base = moe(x)
+    moe.experts.weight_transform = lambda t: torch.zeros_like(t)
+    zeroed = moe(x)
+    moe.experts.weight_transform = None
+    assert not torch.allclose(base, zeroed)
+    shared = moe.shared_experts(x)
+    up = moe.routed_expert_up_proj(moe.routed_expert_norm(torch.zeros(7, cfg.routed_expert_hidden_size)))
+    torch.testing.assert_close(zeroed, up + shared)
+
+
+def test_short_conv_packed_equals_separate_and_tail_continues():
+    C, W = 6, 4
+    w = torch.randn(C, 1, W)
+    a, b = torch.randn(1, 5, C), torch.randn(1, 2, C)
+    lay = SeqLayout.build(1, 7, torch.tensor([0, 5, 7]), None, torch.device("cpu"))
+    packed, tails = causal_conv_silu(torch.cat([a, b], 1), w, lay, None)
+    ya, ta = causal_conv_silu(a, w, SeqLayout.build(1, 5, None, None, torch.device("cpu")), None)
+    yb, tb = causal_conv_silu(b, w, SeqLayout.build(1, 2, None, None, torch.device("cpu")), None)
+    torch.testing.assert_close(packed, torch.cat([ya, yb], 1))
+    torch.testing.assert_close(tails, torch.cat([ta, tb]))
+    # Tap W-1 multiplies the current token: check one output by hand.
+    x = torch.cat([torch.zeros(1, W - 1, C), a], 1)[0]
+    want = torch.nn.functional.silu((x[3:7] * w[:, 0, :].t()).sum(0))
+    torch.testing.assert_close(ya[0, 3], want)
+    # Continuing from the tail == running on the concatenation.
+    lay2 = SeqLayout.build(1, 3, None, None, torch.device("cpu"))
+    y2, _ = causal_conv_silu(b[:, :1].repeat(1, 3, 1), w, lay2, ta)
+    full, _ = causal_conv_silu(torch.cat([a, b[:, :1].repeat(1, 3, 1)], 1), w,
+                               SeqLayout.build(1, 8, None, None, torch.device("cpu")), None)
+    torch.testing.assert_close(y2, full[:, 5:])
+
+
+def test_fp32_tensors_stay_fp32_under_to_dtype():
+    from k3.model.causal_lm import K3ForCausalLM
+
+    m = K3ForCausalLM(k3_tiny()).init_weights(0).to_dtype(torch.bfloat16)
+    sd = m.state_dict()
+    fp32 = sorted({n.split(".", 3)[-1] for n, t in sd.items() if t.dtype == torch.float32})
+    assert fp32 == ["block_sparse_moe.gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias",
+                    "self_attn.k_conv1d.weight", "self_attn.o_norm.weight", "self_attn.q_conv1d.weight",
+                    "self_attn.v_conv1d.weight"]
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    ids = torch.randint(0, 4096, (1, 9))
+    assert torch.isfinite(m(ids).logits).all()
+
+
+def test_kda_gate_init_in_bounds():
+    from k3.model.kda import KDAttention
+    from k3.ops.kda import kda_gate
+
+    cfg = k3_tiny().text_config
+    layer = KDAttention(cfg, 0)
+    layer.reset_kda_parameters()
+    g = kda_gate(torch.zeros(cfg.kda_num_heads, cfg.kda_head_dim), layer.A_log, layer.dt_bias, -5.0)
+    assert (g < 0).all() and (g > -1.0 - 1e-4).all() and g.max() > -2e-3
