@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--memory-budget-mb", type=float, default=None,
                    help="cache memory for MLA pages, KDA slots and prefix checkpoints "
-                        "(default: 80%% of free GPU memory, 1024 MB on cpu)")
+                        "(default: 50%% of free GPU memory, 1024 MB on cpu)")
     p.add_argument("--page-size", type=int, default=128, help="tokens per MLA page")
     p.add_argument("--unit-size", type=int, default=512, help="prefix-cache hash unit in tokens")
     p.add_argument("--checkpoint-every-units", type=int, default=8)
@@ -78,7 +78,7 @@ def build(args: argparse.Namespace):
     if args.memory_budget_mb is not None:
         budget = int(args.memory_budget_mb * (1 << 20))
     elif device.type == "cuda":
-        budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
+        budget = int(0.5 * torch.cuda.mem_get_info(device)[0])  # the rest: activations
     else:
         budget = 1 << 30
     cfg = EngineConfig(memory_budget_bytes=budget, page_size=args.page_size, unit_size=args.unit_size,

@@ -85,18 +85,21 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory, tokenizer):
-    """`k3 serve --checkpoint DIR` in a subprocess on 127.0.0.1 (k3-tiny, random weights saved with
-    save_pretrained, the test tokenizer next to them)."""
+    """`k3 serve --checkpoint DIR` in a subprocess on 127.0.0.1: k3-tiny with random weights saved by
+    save_pretrained and the test tokenizer next to them, or the checkpoint directory (with tokenizer
+    files) named by $K3_SERVE_TEST_CHECKPOINT, e.g. `final/` of `k3 train --preset k3-tiny --max-steps 20`."""
     import os
     import subprocess
     import sys
     import time
     import urllib.request
 
-    ckpt = tmp_path_factory.mktemp("k3tiny_ckpt")
-    torch.manual_seed(0)
-    K3ForCausalLM(k3_tiny()).init_weights(seed=0).save_pretrained(ckpt)
-    tokenizer.save(ckpt)
+    ckpt = os.environ.get("K3_SERVE_TEST_CHECKPOINT")
+    if not ckpt:
+        ckpt = tmp_path_factory.mktemp("k3tiny_ckpt")
+        torch.manual_seed(0)
+        K3ForCausalLM(k3_tiny()).init_weights(seed=0).save_pretrained(ckpt)
+        tokenizer.save(ckpt)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("live_log") / "serve.log"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
