@@ -98,3 +98,16 @@ def test_completions_endpoint(client):
     assert all(len(t) <= 2 for t in c.logprobs.top_logprobs)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+
+
+def test_chat_logprobs_and_seeded_sampling(client):
+    kw = dict(model="k3-tiny", messages=[{"role": "user", "content": "data model"}], max_tokens=5, temperature=1.0,
+              seed=11, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    lp = a.choices[0].logprobs.content
+    assert len(lp) == a.usage.completion_tokens == 5
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
+               for e in lp)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in lp)
+    assert [e.token for e in lp] == [e.token for e in b.choices[0].logprobs.content]  # same seed, same tokens
