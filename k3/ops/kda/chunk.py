@@ -29,6 +29,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
@@ -85,6 +86,14 @@ def _bv(V: int, programs_per_bv64: int) -> int:
     return bv
 
 
+def _dot_dtype(dtype: torch.dtype):
+    """Operand dtype of the state/value dots: the storage dtype on GPU; fp32 under the
+    interpreter, whose half-precision tl.dot is not usable (storage stays in the input dtype)."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(A/P dot precision, inverse/state dot precision) for fp32-operand dots."""
     if dtype == torch.float32:
@@ -116,7 +125,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig, STORE_T=training,
-            AP_PREC=ap, T_PREC=tp, num_warps=8 if K >= 128 else 4,
+            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=8 if K >= 128 else 4,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -129,7 +138,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=tp, num_warps=4,
+        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=4,
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -153,7 +162,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, meta: ChunkMeta, scale, lower_bound, 
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, num_warps=4,
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=4,
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -169,7 +178,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, meta: ChunkMeta, scale, lower_bound, 
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, num_warps=8 if K >= 128 else 4,
+            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=8 if K >= 128 else 4,
         )
     else:
         for t in (dq, dk, dv, dg, dbeta):

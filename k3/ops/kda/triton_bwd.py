@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _blk, _colfac, _cumdecay, _dot, _dotf, _prologue
+from k3.ops.kda.triton_common import _cumdecay, _dot, _prologue
 
 
 @triton.jit
@@ -27,11 +27,11 @@ def _kda_bwd_state(
     P, QG, KG, W, GL, do, dht, dh0, DH, DVN,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
-    DT: tl.constexpr = W.dtype.element_ty
+    SDT: tl.constexpr = W.dtype.element_ty
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n)
@@ -49,7 +49,7 @@ def _kda_bwd_state(
         dS = tl.zeros([K, BV], dtype=tl.float32)
     for jj in range(nt):
         j = nt - 1 - jj
-        tl.store(DH + ((c0 + j) * H + i_h).to(tl.int64) * (K * V) + p_kv, dS.to(DT))
+        tl.store(DH + ((c0 + j) * H + i_h).to(tl.int64) * (K * V) + p_kv, dS.to(SDT))
         tok = bos + j * 64 + o_t
         m_t = tok < eos
         tok64 = tok.to(tl.int64)
@@ -64,10 +64,10 @@ def _kda_bwd_state(
         b_qg = tl.load(QG + p_tk, mask=m_tk, other=0.0)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.0)
         b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_dvn = _dot(tl.trans(b_p), b_do, PREC, DT) + _dot(b_kg, dS, PREC, DT)
-        tl.store(DVN + p_tv, b_dvn.to(DT), mask=m_tv)
-        dS = dS * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC, DT) \
-            - _dot(tl.trans(b_w), b_dvn, PREC, DT)
+        b_dvn = _dot(tl.trans(b_p), b_do, PREC, DOT_DT) + _dot(b_kg, dS, PREC, DOT_DT)
+        tl.store(DVN + p_tv, b_dvn.to(SDT), mask=m_tv)
+        dS = dS * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC, DOT_DT) \
+            - _dot(tl.trans(b_w), b_dvn, PREC, DOT_DT)
     tl.store(dh0 + i_nh.to(tl.int64) * (K * V) + p_kv, dS)
 
 
@@ -80,11 +80,11 @@ def _kda_bwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    DT: tl.constexpr = Hs.dtype.element_ty
+    SDT: tl.constexpr = Hs.dtype.element_ty
     i_n = tl.load(chunk_info + 2 * i_c)
     start = tl.load(chunk_info + 2 * i_c + 1)
     eos = tl.load(cu_seqlens + i_n + 1)
@@ -127,13 +127,13 @@ def _kda_bwd_intra(
         b_dvn = tl.load(DVN + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_ht = tl.trans(b_h)
-        dqg += _dot(b_do, b_ht, T_PREC, DT)
-        dkg += _dot(b_vn, tl.trans(b_dh), T_PREC, DT)
-        dWn += _dot(b_dvn, b_ht, T_PREC, DT)
-        dP += _dot(b_do, tl.trans(b_vn), T_PREC, DT)
+        dqg += _dot(b_do, b_ht, T_PREC, DOT_DT)
+        dkg += _dot(b_vn, tl.trans(b_dh), T_PREC, DOT_DT)
+        dWn += _dot(b_dvn, b_ht, T_PREC, DOT_DT)
+        dP += _dot(b_do, tl.trans(b_vn), T_PREC, DOT_DT)
         xu = b_v * b_b[:, None]
-        dT += _dot(b_dvn, tl.trans(xu), T_PREC, DT)
-        dxu = _dotf(b_Tt, b_dvn, T_PREC)
+        dT += _dot(b_dvn, tl.trans(xu), T_PREC, DOT_DT)
+        dxu = tl.dot(b_Tt, b_dvn.to(tl.float32), input_precision=T_PREC)
         tl.store(dv + p_tv, (dxu * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         db += tl.sum(dxu * b_v, axis=1)
         dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
@@ -147,12 +147,12 @@ def _kda_bwd_intra(
     dgl = tl.sum(b_k * b_dk, axis=0) + tl.exp(gl) * dgl_s
     xw = b_k * b_b[:, None] * eG
     dW = -dWn
-    dT += _dotf(dW, tl.trans(xw), T_PREC)
-    dxw = _dotf(b_Tt, dW, T_PREC)
+    dT += tl.dot(dW, tl.trans(xw), input_precision=T_PREC)
+    dxw = tl.dot(b_Tt, dW, input_precision=T_PREC)
     b_dk += b_b[:, None] * eG * dxw
     b_dG += xw * dxw
     db += tl.sum(dxw * b_k * eG, axis=1)
-    dA = -_dotf(_dotf(b_Tt, dT, T_PREC), b_Tt, T_PREC)
+    dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=T_PREC), b_Tt, input_precision=T_PREC)
     dA = tl.where(o_t[:, None] > o_s[None, :], dA, 0.0)
     dP = tl.where(o_t[:, None] >= o_s[None, :], dP, 0.0)
 
@@ -167,13 +167,15 @@ def _kda_bwd_intra(
     dkc = tl.zeros([64, K], dtype=tl.float32)
     for i in tl.static_range(4):
         sel = (o4 == i)[:, None, None]
-        ec = _colfac(G, mid, i, K)
+        mid_i = tl.sum(tl.where((o4 == i)[:, None], mid, 0.0), axis=0)
+        ec = tl.exp(tl.where((o_s < 16 * (i + 1))[:, None], mid_i[None, :] - G, -1.0e30))
         kc = b_k * ec
-        dp_i = _blk(dP3, i, 4)
-        da_i = _blk(dA3, i, 4)
-        rq3 = tl.where(sel, _dotf(dp_i, kc, AP_PREC)[None, :, :], rq3)
-        rk3 = tl.where(sel, _dotf(da_i, kc, AP_PREC)[None, :, :], rk3)
-        col = _dotf(tl.trans(dp_i), _blk(Qr3, i, 4), AP_PREC) + _dotf(tl.trans(da_i), _blk(Kr3, i, 4), AP_PREC)
+        dp_i = tl.sum(tl.where(sel, dP3, 0.0), axis=0)
+        da_i = tl.sum(tl.where(sel, dA3, 0.0), axis=0)
+        rq3 = tl.where(sel, tl.dot(dp_i, kc, input_precision=AP_PREC)[None, :, :], rq3)
+        rk3 = tl.where(sel, tl.dot(da_i, kc, input_precision=AP_PREC)[None, :, :], rk3)
+        col = tl.dot(tl.trans(dp_i), tl.sum(tl.where(sel, Qr3, 0.0), axis=0), input_precision=AP_PREC) \
+            + tl.dot(tl.trans(da_i), tl.sum(tl.where(sel, Kr3, 0.0), axis=0), input_precision=AP_PREC)
         dkc += col * ec
     Fr = tl.reshape(Fr3, (64, K))
     dqP = scale * Fr * tl.reshape(rq3, (64, K))

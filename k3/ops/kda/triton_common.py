@@ -50,10 +50,10 @@ def _prologue(q, k, g, beta, A_log, dt_bias, tok64, m_t, i_h, scale, lower_bound
     if GATE:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-        b_g = tl.where(m_tk, lower_bound * tl.sigmoid(a * (b_g + bias[None, :])), 0.0)
+        b_g = tl.where(m_tk, lower_bound / (1.0 + tl.exp(-a * (b_g + bias[None, :]))), 0.0)
     b_b = tl.load(beta + tok64 * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     if BSIG:
-        b_b = tl.where(m_t, tl.sigmoid(b_b), 0.0)
+        b_b = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
     if L2:
         rq = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)
         rk = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
@@ -92,7 +92,9 @@ def _colfac(G, mid, i, K: tl.constexpr):
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, DT: tl.constexpr):
     """Tensor-core dot: fp32 operands with PREC ("tf32" / "tf32x3" / "ieee") when DT is fp32,
-    else both operands cast to DT (bf16 / fp16) with fp32 accumulation."""
+    else both operands cast to DT (bf16 / fp16) with fp32 accumulation.  DT is the kernels'
+    DOT_DT argument: the storage dtype on GPU, fp32 under the interpreter (whose half-precision
+    dot is not usable)."""
     if DT == tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _blk, _colfac, _cumdecay, _dot, _dotf, _prologue
+from k3.ops.kda.triton_common import _cumdecay, _dot, _prologue
 
 
 @triton.jit
@@ -29,11 +29,11 @@ def _kda_fwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    DT: tl.constexpr = W.dtype.element_ty
+    SDT: tl.constexpr = W.dtype.element_ty
     i_n = tl.load(chunk_info + 2 * i_c)
     start = tl.load(chunk_info + 2 * i_c + 1)
     eos = tl.load(cu_seqlens + i_n + 1)
@@ -41,6 +41,7 @@ def _kda_fwd_intra(
     o_k = tl.arange(0, K)
     o4 = tl.arange(0, 4)
     o16 = tl.arange(0, 16)
+    o_s = tl.arange(0, 64)
     tok = start + o_t
     m_t = tok < eos
     tok64 = tok.to(tl.int64)
@@ -57,43 +58,44 @@ def _kda_fwd_intra(
     P3 = tl.zeros([4, 16, 64], dtype=tl.float32)
     for i in tl.static_range(4):
         sel = (o4 == i)[:, None, None]
-        kct = tl.trans(b_k * _colfac(G, mid, i, K))
-        p_i = _dotf(_blk(Qr3, i, 4), kct, AP_PREC)
-        a_i = _dotf(_blk(Kr3, i, 4), kct, AP_PREC)
+        mid_i = tl.sum(tl.where((o4 == i)[:, None], mid, 0.0), axis=0)
+        ec = tl.exp(tl.where((o_s < 16 * (i + 1))[:, None], mid_i[None, :] - G, -1.0e30))
+        kct = tl.trans(b_k * ec)
+        p_i = tl.dot(tl.sum(tl.where(sel, Qr3, 0.0), axis=0), kct, input_precision=AP_PREC)
+        a_i = tl.dot(tl.sum(tl.where(sel, Kr3, 0.0), axis=0), kct, input_precision=AP_PREC)
         P3 = tl.where(sel, p_i[None, :, :], P3)
         A3 = tl.where(sel, a_i[None, :, :], A3)
-    o_s = tl.arange(0, 64)
     A = tl.where(o_t[:, None] > o_s[None, :], tl.reshape(A3, (64, 64)), 0.0)
     b_P = tl.where(o_t[:, None] >= o_s[None, :], tl.reshape(P3, (64, 64)), 0.0)
 
-    # T = (I + A)^-1.  Diagonal 16x16 blocks: forward substitution, row by row.
+    # T = (I + A)^-1.  Diagonal 16x16 blocks by forward substitution: row t of Td becomes
+    # e_t - sum_{s<t} Ad[t,s] Td[s,:]  (Ad is strictly lower, so the full product gives that row).
     eye4 = o4[:, None] == o4[None, :]
     Ad = tl.sum(tl.where(eye4[:, None, :, None], tl.reshape(A, (4, 16, 4, 16)), 0.0), axis=2)
-    Td = tl.zeros([4, 16, 16], dtype=tl.float32) + tl.where(o16[:, None] == o16[None, :], 1.0, 0.0)[None, :, :]
+    eye16 = tl.zeros([4, 16, 16], dtype=tl.float32) + tl.where(o16[:, None] == o16[None, :], 1.0, 0.0)[None, :, :]
+    Td = eye16
     for t in range(1, 16):
-        rsel = (o16 == t)[None, :, None]
-        a_t = tl.sum(tl.where(rsel, Ad, 0.0), axis=1)
-        upd = -tl.sum(a_t[:, :, None] * Td, axis=1)
-        Td = tl.where(rsel, Td + upd[:, None, :], Td)
-    # Off-diagonal blocks: T = (I - N)(I + N^2) Td with N = Td L (L = strictly block-lower part of A).
+        Td = tl.where((o16 == t)[None, :, None], eye16 - tl.dot(Ad, Td, input_precision=T_PREC), Td)
+    # Off-diagonal blocks: T = (I - N)(I + N^2) Td with N = Td L (L = strictly block-lower part of A);
+    # exact because N is strictly block-lower with 4 blocks (N^4 = 0).
     L = tl.where((o_t // 16)[:, None] > (o_s // 16)[None, :], A, 0.0)
-    N = tl.reshape(_dotf(Td, tl.reshape(L, (4, 16, 64)), T_PREC), (64, 64))
-    N2 = _dotf(N, N, T_PREC)
+    N = tl.reshape(tl.dot(Td, tl.reshape(L, (4, 16, 64)), input_precision=T_PREC), (64, 64))
+    N2 = tl.dot(N, N, input_precision=T_PREC)
     Tdf = tl.reshape(tl.where(eye4[:, None, :, None], Td[:, :, None, :], 0.0), (64, 64))
-    Y = Tdf + _dotf(N2, Tdf, T_PREC)
-    b_T = Y - _dotf(N, Y, T_PREC)
+    Y = Tdf + tl.dot(N2, Tdf, input_precision=T_PREC)
+    b_T = Y - tl.dot(N, Y, input_precision=T_PREC)
 
     eG = tl.exp(G)
     m_tk = m_t[:, None] & (o_k[None, :] < K)
     p_tk = tok64[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_w = _dot(b_T, b_k * b_b[:, None] * eG, T_PREC, DT)
-    tl.store(W + p_tk, b_w.to(DT), mask=m_tk)
-    tl.store(QG + p_tk, (b_q * scale * eG).to(DT), mask=m_tk)
-    tl.store(KG + p_tk, (b_k * tl.exp(gl[None, :] - G)).to(DT), mask=m_tk)
+    b_w = _dot(b_T, b_k * b_b[:, None] * eG, T_PREC, DOT_DT)
+    tl.store(W + p_tk, b_w.to(SDT), mask=m_tk)
+    tl.store(QG + p_tk, (b_q * scale * eG).to(SDT), mask=m_tk)
+    tl.store(KG + p_tk, (b_k * tl.exp(gl[None, :] - G)).to(SDT), mask=m_tk)
     tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + o_k, gl)
     p_ts = tok64[:, None] * (H * 64) + i_h * 64 + o_s[None, :]
     m_ts = m_t[:, None] & (o_s[None, :] < 64)
-    tl.store(P + p_ts, b_P.to(DT), mask=m_ts)
+    tl.store(P + p_ts, b_P.to(SDT), mask=m_ts)
     if STORE_T:
         tl.store(Tm + p_ts, b_T, mask=m_ts)
     for iv in tl.static_range(V // BV):
@@ -101,8 +103,8 @@ def _kda_fwd_intra(
         m_tv = m_t[:, None] & (o_v[None, :] < V)
         p_tv = tok64[:, None] * (H * V) + i_h * V + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = _dot(b_T, b_v * b_b[:, None], T_PREC, DT)
-        tl.store(U + p_tv, b_u.to(DT), mask=m_tv)
+        b_u = _dot(b_T, b_v * b_b[:, None], T_PREC, DOT_DT)
+        tl.store(U + p_tv, b_u.to(SDT), mask=m_tv)
 
 
 @triton.jit
@@ -111,11 +113,11 @@ def _kda_fwd_state(
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
-    DT: tl.constexpr = W.dtype.element_ty
+    SDT: tl.constexpr = W.dtype.element_ty
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n)
@@ -135,7 +137,7 @@ def _kda_fwd_state(
         tok64 = (bos + j * 64 + o_t).to(tl.int64)
         m_t = (bos + j * 64 + o_t) < eos
         if STORE_H:
-            tl.store(Hs + ((c0 + j) * H + i_h).to(tl.int64) * (K * V) + p_kv, S.to(DT))
+            tl.store(Hs + ((c0 + j) * H + i_h).to(tl.int64) * (K * V) + p_kv, S.to(SDT))
         m_tk = m_t[:, None] & (o_k[None, :] < K)
         p_tk = tok64[:, None] * (H * K) + i_h * K + o_k[None, :]
         p_tv = tok64[:, None] * (H * V) + i_h * V + o_v[None, :]
@@ -147,11 +149,11 @@ def _kda_fwd_state(
         b_p = tl.load(P + tok64[:, None] * (H * 64) + i_h * 64 + o_s[None, :],
                       mask=m_t[:, None] & (o_s[None, :] < 64), other=0.0)
         b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_vn = b_u - _dot(b_w, S, PREC, DT)
-        b_o = _dot(b_qg, S, PREC, DT) + _dot(b_p, b_vn, PREC, DT)
+        b_vn = b_u - _dot(b_w, S, PREC, DOT_DT)
+        b_o = _dot(b_qg, S, PREC, DOT_DT) + _dot(b_p, b_vn, PREC, DOT_DT)
         tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         if STORE_H:
-            tl.store(VN + p_tv, b_vn.to(DT), mask=m_tv)
-        S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC, DT)
+            tl.store(VN + p_tv, b_vn.to(SDT), mask=m_tv)
+        S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC, DOT_DT)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * (K * V) + p_kv, S)
