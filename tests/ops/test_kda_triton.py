@@ -28,6 +28,11 @@ PINNED_TOL = 3e-4
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-size duplicate of a CPU test")
 
 
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"

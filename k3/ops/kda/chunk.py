@@ -65,14 +65,31 @@ class ChunkMeta:
         self.chunk_info = torch.stack([seq, start], 1).to(torch.int32).contiguous()
 
 
+_META_CACHE: dict = {}
+
+
 def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkMeta:
-    """Build the chunk bookkeeping for a [B, T] batch or a packed varlen batch."""
+    """Build (or reuse) the chunk bookkeeping for a [B, T] batch or a packed varlen batch.
+
+    Cached by the sequence lengths, so repeated calls with the same layout launch no extra work
+    (a varlen call still reads cu_seqlens on the host once)."""
     if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-        return ChunkMeta(cu, [T] * B)
-    cs = [int(x) for x in cu_seqlens.tolist()]
-    lengths = [b - a for a, b in zip(cs, cs[1:])]
-    return ChunkMeta(cu_seqlens.to(device=device, dtype=torch.int32).contiguous(), lengths)
+        key = (str(device), (T,) * B)
+    else:
+        key = (str(device), tuple(int(x) for x in cu_seqlens.tolist()))
+    meta = _META_CACHE.get(key)
+    if meta is None:
+        if cu_seqlens is None:
+            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+            meta = ChunkMeta(cu, [T] * B)
+        else:
+            cs = key[1]
+            lengths = [b - a for a, b in zip(cs, cs[1:])]
+            meta = ChunkMeta(torch.tensor(cs, dtype=torch.int32, device=device), lengths)
+        if len(_META_CACHE) > 256:
+            _META_CACHE.clear()
+        _META_CACHE[key] = meta
+    return meta
 
 
 def _bv(V: int, programs_per_bv64: int) -> int:
@@ -94,11 +111,24 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
+def _tile(name: str, default: int, dim: int) -> int:
+    """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
+    return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
+
+
+def _warps(name: str, default: int) -> int:
+    return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
+
+
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """(A/P dot precision, inverse/state dot precision) for fp32-operand dots."""
+    """(A/P dot precision, inverse / fp32-operand dot precision).
+
+    fp32 inputs: tf32x3 (about fp32 accuracy).  bf16/fp16 inputs: tf32, whose 10-bit mantissa is
+    finer than the 8/11-bit storage of W, U and the states (and tf32x3 triples the registers of
+    the inverse)."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3"
-    return "tf32", "tf32x3"
+    return "tf32", os.environ.get("K3_KDA_T_PREC", "tf32")
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -124,8 +154,9 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
-            H=H, K=K, V=V, BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig, STORE_T=training,
-            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=8 if K >= 128 else 4,
+            H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
+            STORE_T=training, AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt),
+            num_warps=_warps("INTRA", 8 if K >= 128 else 4),
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -138,13 +169,13 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=4,
+        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4),
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
 
 
-def _bwd(q, k, v, g, beta, A_log, dt_bias, meta: ChunkMeta, scale, lower_bound, l2, bsig,
+def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_bound, l2, bsig,
          saved, do, dht, need_dh0):
     W, P, QG, KG, GL, Tm, Hs, VN = saved
     B, T, H, K = q.shape
@@ -162,7 +193,8 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, meta: ChunkMeta, scale, lower_bound, 
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=4,
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, DOT_DT=_dot_dtype(dt),
+        num_warps=_warps("STATE", 4),
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -171,14 +203,16 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, meta: ChunkMeta, scale, lower_bound, 
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
+    bk = _tile("BK_BWD", 16, K)
+    dk32 = torch.empty(B * T, H, K, device=dev, dtype=torch.float32) if (l2 and bk < K) else dummy
     if NC > 0:
         _kda_bwd_intra[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            Tm, Hs, DH, VN, DVN, do, dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+            Tm, Hs, DH, VN, DVN, do, o, dk32, dq, dk, dv, dg, dbeta, dA_part, ddt_part,
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
-            H=H, K=K, V=V, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=8 if K >= 128 else 4,
+            H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
+            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("BWD", 8 if K >= 128 else 4),
         )
     else:
         for t in (dq, dk, dv, dg, dbeta):
@@ -196,7 +230,7 @@ class ChunkKDAFunction(torch.autograd.Function):
                 l2, bsig, output_final_state):
         o, ht, saved = _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale,
                             lower_bound, l2, bsig, output_final_state, training=True)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *saved)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, o, *saved)
         ctx.meta = meta
         ctx.args = (scale, lower_bound, l2, bsig)
         if ht is not None:
@@ -205,11 +239,11 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, *rest):
-        q, k, v, g, beta, A_log, dt_bias, h0, *saved = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, o, *saved = ctx.saved_tensors
         scale, lower_bound, l2, bsig = ctx.args
         dht = rest[0] if rest else None
         dq, dk, dv, dg, dbeta, dA_log, ddt, dh0 = _bwd(
-            q, k, v, g, beta, A_log, dt_bias, ctx.meta, scale, lower_bound, l2, bsig, saved, do, dht,
+            q, k, v, g, beta, A_log, dt_bias, o, ctx.meta, scale, lower_bound, l2, bsig, saved, do, dht,
             need_dh0=h0 is not None,
         )
         if dh0 is not None:

@@ -1,9 +1,12 @@
 """Triton building blocks shared by the chunked KDA kernels (forward, backward).
 
 Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
-  * chunk size 64 = 4 sub-blocks of 16 rows; per-chunk tiles are [64, K] / [64, V];
-  * G is the within-chunk inclusive cumulative log-decay, built as G = r_blk + cumsum_in_block(g)
-    so that every kernel derives bitwise the same G from the same g;
+  * chunk size 64 = 4 sub-blocks of 16 rows; the key dimension is processed in column chunks of
+    BK (decay, cumulative decay and the factorised exponentials are per channel, so key chunks are
+    independent; only the L2 norm needs whole rows: a pre-pass);
+  * token-major tensors [T_total, H, D] are addressed with block pointers whose row count is the
+    number of tokens left in the sequence, so rows past its end read as zero and are never written;
+  * G is the within-chunk inclusive cumulative log-decay, built as G = r_blk + cumsum_in_block(g);
   * mid[i] = G at row 16 i + 7 (the middle of sub-block i) is the reference of the factorised
     exponentials  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s)  for row block i.  With a
     per-step log-decay >= -5 both factors stay within exp(+-40) for s, t inside block i, and for
@@ -15,78 +18,115 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-BT = 64  # chunk length (rows per chunk); sub-blocks of 16
+
+def _has_block_ptr() -> bool:
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
+# Block pointers (Triton <= 3.6, e.g. the GPU image) keep no per-element address registers, which
+# the sequential kernels need; newer Triton removed them, so there (CPU interpreter in CI) tiles
+# are addressed with plain pointer arithmetic and masks.  Both paths compute the same tiles.
+USE_BLOCK_PTR = tl.constexpr(_has_block_ptr())
 
 
 @triton.jit
-def _blk(x3, i, NB: tl.constexpr):
-    """Sub-block i of a [NB, 16, N] tile, as [16, N] (selection by masked sum: exact)."""
-    sel = tl.arange(0, NB)[:, None, None] == i
-    return tl.sum(tl.where(sel, x3, 0.0), axis=0)
+def _ld(ptr, row64, nr, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """[64, BD] tile (storage dtype) of one chunk of a [T, H, D] tensor: rows = tokens of the chunk
+    (row64 = first_token * H + head, int64), cols [col0, col0 + BD); rows >= nr (past the sequence
+    end) read as zero."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + row64 * D, (nr, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+        return tl.load(p, boundary_check=(0,), padding_option="zero")
+    else:
+        o_t = tl.arange(0, 64)
+        offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
+        return tl.load(ptr + row64 * D + offs, mask=(o_t < nr)[:, None], other=0.0)
 
 
 @triton.jit
-def _vec(x2, i, NB: tl.constexpr):
-    """Row i of a [NB, N] tile, as [N]."""
-    sel = tl.arange(0, NB)[:, None] == i
-    return tl.sum(tl.where(sel, x2, 0.0), axis=0)
+def _st(ptr, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Store a [64, BD] chunk tile (rows >= nr are not written)."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + row64 * D, (nr, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+        tl.store(p, x.to(ptr.dtype.element_ty), boundary_check=(0,))
+    else:
+        o_t = tl.arange(0, 64)
+        offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
+        tl.store(ptr + row64 * D + offs, x.to(ptr.dtype.element_ty), mask=(o_t < nr)[:, None])
 
 
 @triton.jit
-def _prologue(q, k, g, beta, A_log, dt_bias, tok64, m_t, i_h, scale, lower_bound,
-              H: tl.constexpr, K: tl.constexpr,
-              GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr):
-    """Load one chunk of q, k, g, beta and apply the fused prologue.
+def _ld_state(ptr, base64, r0, c0, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """[BK, BV] tile at (r0, c0) of the row-major [K, V] state starting at element base64."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + base64, (r0 + BK, V), (V, 1), (r0, c0), (BK, BV), (1, 0))
+        return tl.load(p)
+    else:
+        offs = (r0 + tl.arange(0, BK))[:, None] * V + c0 + tl.arange(0, BV)[None, :]
+        return tl.load(ptr + base64 + offs)
 
-    Returns q_hat [64,K] (L2-normalised if L2, not yet scaled), k_hat [64,K], g [64,K] log-decay
-    (0 on rows past the sequence end), beta [64] (0 past the end), rq/rk [64] (1/norm, or 1).
-    """
-    o_k = tl.arange(0, K)
-    m_tk = m_t[:, None] & (o_k[None, :] < K)
-    p_qk = tok64[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+
+@triton.jit
+def _st_state(ptr, base64, r0, c0, x, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + base64, (r0 + BK, V), (V, 1), (r0, c0), (BK, BV), (1, 0))
+        tl.store(p, x.to(ptr.dtype.element_ty))
+    else:
+        offs = (r0 + tl.arange(0, BK))[:, None] * V + c0 + tl.arange(0, BV)[None, :]
+        tl.store(ptr + base64 + offs, x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _beta(beta, row64, m_t, H: tl.constexpr, BSIG: tl.constexpr):
+    """beta for the 64 rows of a chunk (fp32, 0 past the end), sigmoid applied when BSIG."""
+    b = tl.load(beta + row64 + tl.arange(0, 64).to(tl.int64) * H, mask=m_t, other=0.0).to(tl.float32)
+    if BSIG:
+        b = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+    return b
+
+
+@triton.jit
+def _rnorms(q, k, row64, nr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr):
+    """1 / ||x|| (eps 1e-6 inside the sqrt) of the q and k rows, or ones without L2."""
+    if L2:
+        sq = tl.zeros([64], dtype=tl.float32)
+        sk = tl.zeros([64], dtype=tl.float32)
+        for kc in tl.static_range(K // BK):
+            bq = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+            bk = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+            sq += tl.sum(bq * bq, axis=1)
+            sk += tl.sum(bk * bk, axis=1)
+        return tl.rsqrt(sq + 1e-6), tl.rsqrt(sk + 1e-6)
+    else:
+        return tl.full([64], 1.0, tl.float32), tl.full([64], 1.0, tl.float32)
+
+
+@triton.jit
+def _gate(graw, A_log, dt_bias, i_h, col0, m_t, lower_bound, K: tl.constexpr, BK: tl.constexpr,
+          GATE: tl.constexpr):
+    """Log-decay chunk [64, BK] from the loaded g (raw f when GATE), 0 on rows past the end."""
     if GATE:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        bias = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
-        b_g = tl.where(m_tk, lower_bound / (1.0 + tl.exp(-a * (b_g + bias[None, :]))), 0.0)
-    b_b = tl.load(beta + tok64 * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if BSIG:
-        b_b = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
-    if L2:
-        rq = tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
-        b_q = b_q * rq[:, None]
-        b_k = b_k * rk[:, None]
+        bias = tl.load(dt_bias + i_h * K + col0 + tl.arange(0, BK)).to(tl.float32)
+        return tl.where(m_t[:, None], lower_bound / (1.0 + tl.exp(-a * (graw + bias[None, :]))), 0.0)
     else:
-        rq = tl.full([64], 1.0, tl.float32)
-        rk = tl.full([64], 1.0, tl.float32)
-    return b_q, b_k, b_g, b_b, rq, rk
+        return graw
 
 
 @triton.jit
-def _cumdecay(b_g, K: tl.constexpr):
-    """Within-chunk cumulative decay.  Returns G3 [4,16,K], G [64,K], mid [4,K], gl [K] (= G row 63)."""
-    g3 = tl.reshape(b_g, (4, 16, K))
+def _cumdecay(b_g, BK: tl.constexpr):
+    """Within-chunk cumulative decay.  Returns G3 [4,16,BK], G [64,BK], mid [4,BK], gl [BK] (= G row 63)."""
+    g3 = tl.reshape(b_g, (4, 16, BK))
     c3 = tl.cumsum(g3, axis=1)
     bs = tl.sum(g3, axis=1)
     r = tl.cumsum(bs, axis=0) - bs
     G3 = r[:, None, :] + c3
     o16 = tl.arange(0, 16)
     mid = tl.sum(tl.where((o16 == 7)[None, :, None], G3, 0.0), axis=1)
-    G = tl.reshape(G3, (64, K))
+    G = tl.reshape(G3, (64, BK))
     gl = tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), axis=0)
     return G3, G, mid, gl
-
-
-@triton.jit
-def _colfac(G, mid, i, K: tl.constexpr):
-    """exp(mid_i - G_s) for columns s of rows-block i (s < 16 (i + 1)), 0 for later columns: [64, K]."""
-    mid_i = _vec(mid, i, 4)
-    o_s = tl.arange(0, 64)
-    arg = tl.where((o_s < 16 * (i + 1))[:, None], mid_i[None, :] - G, -1.0e30)
-    return tl.exp(arg)
 
 
 @triton.jit
@@ -99,9 +139,3 @@ def _dot(a, b, PREC: tl.constexpr, DT: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
     else:
         return tl.dot(a.to(DT), b.to(DT))
-
-
-@triton.jit
-def _dotf(a, b, PREC: tl.constexpr):
-    """fp32 dot (fp32 operands) at precision PREC."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)

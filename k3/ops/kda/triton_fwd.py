@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _cumdecay, _dot, _prologue
+from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
 
 
 @triton.jit
@@ -27,44 +27,44 @@ def _kda_fwd_intra(
     W, U, P, QG, KG, GL, Tm,
     cu_seqlens, chunk_info,
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
     AP_PREC: tl.constexpr, T_PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    SDT: tl.constexpr = W.dtype.element_ty
     i_n = tl.load(chunk_info + 2 * i_c)
     start = tl.load(chunk_info + 2 * i_c + 1)
-    eos = tl.load(cu_seqlens + i_n + 1)
+    nr = tl.load(cu_seqlens + i_n + 1) - start
+    row64 = start.to(tl.int64) * H + i_h
     o_t = tl.arange(0, 64)
-    o_k = tl.arange(0, K)
+    o_s = tl.arange(0, 64)
     o4 = tl.arange(0, 4)
     o16 = tl.arange(0, 16)
-    o_s = tl.arange(0, 64)
-    tok = start + o_t
-    m_t = tok < eos
-    tok64 = tok.to(tl.int64)
+    m_t = o_t < nr
 
-    b_q, b_k, b_g, b_b, rq, rk = _prologue(q, k, g, beta, A_log, dt_bias, tok64, m_t, i_h, scale,
-                                           lower_bound, H, K, GATE, L2, BSIG)
-    G3, G, mid, gl = _cumdecay(b_g, K)
-    Fr3 = tl.exp(G3 - mid[:, None, :])
-    Qr3 = tl.reshape(b_q * scale, (4, 16, K)) * Fr3
-    Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, K)) * Fr3
+    b_b = _beta(beta, row64, m_t, H, BSIG)
+    rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
 
-    # Intra-chunk matrices, one 16-row block at a time (rows i, all earlier columns + its own block).
+    # Intra-chunk matrices, accumulated over key chunks; row block i sees columns s < 16 (i + 1)
+    # (all earlier blocks and its own, masked to the triangle afterwards).
+    cmask4 = o_s[None, :] < 16 * (o4[:, None] + 1)
     A3 = tl.zeros([4, 16, 64], dtype=tl.float32)
     P3 = tl.zeros([4, 16, 64], dtype=tl.float32)
-    for i in tl.static_range(4):
-        sel = (o4 == i)[:, None, None]
-        mid_i = tl.sum(tl.where((o4 == i)[:, None], mid, 0.0), axis=0)
-        ec = tl.exp(tl.where((o_s < 16 * (i + 1))[:, None], mid_i[None, :] - G, -1.0e30))
-        kct = tl.trans(b_k * ec)
-        p_i = tl.dot(tl.sum(tl.where(sel, Qr3, 0.0), axis=0), kct, input_precision=AP_PREC)
-        a_i = tl.dot(tl.sum(tl.where(sel, Kr3, 0.0), axis=0), kct, input_precision=AP_PREC)
-        P3 = tl.where(sel, p_i[None, :, :], P3)
-        A3 = tl.where(sel, a_i[None, :, :], A3)
+    for kc in tl.static_range(K // BK):
+        b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
+        b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+        b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
+                    lower_bound, K, BK, GATE)
+        G3, G, mid, gl = _cumdecay(b_g, BK)
+        Fr3 = tl.exp(G3 - mid[:, None, :])
+        Qr3 = tl.reshape(b_q * scale, (4, 16, BK)) * Fr3
+        Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
+        # column factors for every row block at once: [4 (row block), 64 (column), BK]
+        ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
+        kct4 = tl.permute(b_k[None, :, :] * ec4, (0, 2, 1))
+        P3 += tl.dot(Qr3, kct4, input_precision=AP_PREC)
+        A3 += tl.dot(Kr3, kct4, input_precision=AP_PREC)
     A = tl.where(o_t[:, None] > o_s[None, :], tl.reshape(A3, (64, 64)), 0.0)
     b_P = tl.where(o_t[:, None] >= o_s[None, :], tl.reshape(P3, (64, 64)), 0.0)
 
@@ -85,26 +85,23 @@ def _kda_fwd_intra(
     Y = Tdf + tl.dot(N2, Tdf, input_precision=T_PREC)
     b_T = Y - tl.dot(N, Y, input_precision=T_PREC)
 
-    eG = tl.exp(G)
-    m_tk = m_t[:, None] & (o_k[None, :] < K)
-    p_tk = tok64[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_w = _dot(b_T, b_k * b_b[:, None] * eG, T_PREC, DOT_DT)
-    tl.store(W + p_tk, b_w.to(SDT), mask=m_tk)
-    tl.store(QG + p_tk, (b_q * scale * eG).to(SDT), mask=m_tk)
-    tl.store(KG + p_tk, (b_k * tl.exp(gl[None, :] - G)).to(SDT), mask=m_tk)
-    tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + o_k, gl)
-    p_ts = tok64[:, None] * (H * 64) + i_h * 64 + o_s[None, :]
-    m_ts = m_t[:, None] & (o_s[None, :] < 64)
-    tl.store(P + p_ts, b_P.to(SDT), mask=m_ts)
+    _st(P, row64, nr, 0, b_P, H, 64, 64)
     if STORE_T:
-        tl.store(Tm + p_ts, b_T, mask=m_ts)
-    for iv in tl.static_range(V // BV):
-        o_v = iv * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
-        p_tv = tok64[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = _dot(b_T, b_v * b_b[:, None], T_PREC, DOT_DT)
-        tl.store(U + p_tv, b_u.to(SDT), mask=m_tv)
+        _st(Tm, row64, nr, 0, b_T, H, 64, 64)
+    for kc in tl.static_range(K // BK):
+        b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
+        b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+        b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
+                    lower_bound, K, BK, GATE)
+        G3, G, mid, gl = _cumdecay(b_g, BK)
+        eG = tl.exp(G)
+        _st(W, row64, nr, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC, DOT_DT), H, K, BK)
+        _st(QG, row64, nr, kc * BK, b_q * scale * eG, H, K, BK)
+        _st(KG, row64, nr, kc * BK, b_k * tl.exp(gl[None, :] - G), H, K, BK)
+        tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), gl)
+    for vc in tl.static_range(V // BV):
+        b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
+        _st(U, row64, nr, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC, DOT_DT), H, V, BV)
 
 
 @triton.jit
@@ -117,43 +114,35 @@ def _kda_fwd_state(
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
-    SDT: tl.constexpr = W.dtype.element_ty
     i_n = i_nh // H
     i_h = i_nh % H
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     c0 = tl.load(chunk_offsets + i_n)
     nt = tl.cdiv(eos - bos, 64)
-    o_t = tl.arange(0, 64)
     o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_s = tl.arange(0, 64)
-    p_kv = o_k[:, None] * V + o_v[None, :]
+    v0 = i_v * BV
     if USE_H0:
-        S = tl.load(h0 + i_nh.to(tl.int64) * (K * V) + p_kv).to(tl.float32)
+        S = _ld_state(h0, i_nh.to(tl.int64) * (K * V), 0, v0, V, K, BV).to(tl.float32)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     for j in range(nt):
-        tok64 = (bos + j * 64 + o_t).to(tl.int64)
-        m_t = (bos + j * 64 + o_t) < eos
+        start = bos + j * 64
+        row64 = start.to(tl.int64) * H + i_h
+        nr = eos - start
         if STORE_H:
-            tl.store(Hs + ((c0 + j) * H + i_h).to(tl.int64) * (K * V) + p_kv, S.to(SDT))
-        m_tk = m_t[:, None] & (o_k[None, :] < K)
-        p_tk = tok64[:, None] * (H * K) + i_h * K + o_k[None, :]
-        p_tv = tok64[:, None] * (H * V) + i_h * V + o_v[None, :]
-        m_tv = m_t[:, None] & (o_v[None, :] < V)
-        b_w = tl.load(W + p_tk, mask=m_tk, other=0.0)
-        b_qg = tl.load(QG + p_tk, mask=m_tk, other=0.0)
-        b_kg = tl.load(KG + p_tk, mask=m_tk, other=0.0)
-        b_u = tl.load(U + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_p = tl.load(P + tok64[:, None] * (H * 64) + i_h * 64 + o_s[None, :],
-                      mask=m_t[:, None] & (o_s[None, :] < 64), other=0.0)
+            _st_state(Hs, ((c0 + j) * H + i_h).to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
+        b_w = _ld(W, row64, nr, 0, H, K, K)
+        b_qg = _ld(QG, row64, nr, 0, H, K, K)
+        b_kg = _ld(KG, row64, nr, 0, H, K, K)
+        b_u = _ld(U, row64, nr, v0, H, V, BV).to(tl.float32)
+        b_p = _ld(P, row64, nr, 0, H, 64, 64)
         b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
         b_vn = b_u - _dot(b_w, S, PREC, DOT_DT)
         b_o = _dot(b_qg, S, PREC, DOT_DT) + _dot(b_p, b_vn, PREC, DOT_DT)
-        tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+        _st(o, row64, nr, v0, b_o, H, V, BV)
         if STORE_H:
-            tl.store(VN + p_tv, b_vn.to(SDT), mask=m_tv)
+            _st(VN, row64, nr, v0, b_vn, H, V, BV)
         S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC, DOT_DT)
     if STORE_HT:
-        tl.store(ht + i_nh.to(tl.int64) * (K * V) + p_kv, S)
+        _st_state(ht, i_nh.to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
