@@ -120,6 +120,11 @@ def _warps(name: str, default: int) -> int:
     return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
 
 
+def _stages(dtype: torch.dtype) -> int:
+    """Software-pipelining depth: 1 for fp32 inputs, whose operand tiles would not fit shared memory."""
+    return 1 if dtype == torch.float32 else 3
+
+
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(A/P dot precision, inverse / fp32-operand dot precision).
 
@@ -128,7 +133,7 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str]:
     the inverse)."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3"
-    return "tf32", os.environ.get("K3_KDA_T_PREC", "tf32")
+    return os.environ.get("K3_KDA_AP_PREC", "tf32"), os.environ.get("K3_KDA_T_PREC", "tf32")
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -156,7 +161,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
             STORE_T=training, AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt),
-            num_warps=_warps("INTRA", 8 if K >= 128 else 4),
+            num_warps=_warps("INTRA", 8 if K >= 128 else 4), num_stages=_stages(dt),
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -169,7 +174,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4),
+        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -194,7 +199,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
         P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, DOT_DT=_dot_dtype(dt),
-        num_warps=_warps("STATE", 4),
+        num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -213,6 +218,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
             AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("BWD", 8 if K >= 128 else 4),
+            num_stages=_stages(dt),
         )
     else:
         for t in (dq, dk, dv, dg, dbeta):
