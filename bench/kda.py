@@ -4,13 +4,13 @@ Sections (default: all, in this order):
   ceil     measured ceilings: 2 GiB D2D copy, bf16 8192^3 matmul
   check    correctness spot-check: k3 bf16 (fwd, final state, grads) vs float64 reference; k3 vs fla;
            decode vs reference
+  decode   B5: T = 1, K = V = 128, fp32 state, H in {96, 24}, B in {1, 8, 32, 64, 128, 256}, CUDA graph
   train    benchmarks.md B2: fla registry shapes, pre-gated g = logsigmoid(randn), qk-l2norm in kernel,
            fla with safe_gate=True, lower_bound=-5 (k3 with the declared bound -5); fwd and fwd+bwd
   prefill  B3: T = 8192, H in {96, 64}: fixed / varlen [1300, 547, 2048, 963, 271, 3063] / 8 x 1024;
            in-kernel gate (A_log = dt_bias = 0, lower_bound -5), qk-l2norm, beta-sigmoid, final state,
            inference mode
   long     B4: B = 1, H in {16, 24}, T up to 256K, prefill configuration
-  decode   B5: T = 1, K = V = 128, fp32 state, H in {96, 24}, B in {1, 8, 32, 64, 128, 256}, CUDA graph
 Timing: triton.testing.do_bench(warmup=25, rep=100) median.  Roofline: 790 TFLOP/s bf16, 4.3 TB/s
 (benchmarks.md); "roof" = (max of FLOP time and minimal-byte time at those rates) / measured time.
 
@@ -216,9 +216,11 @@ def sec_train(fck, shapes):
         res = {}
         for name, fn in impls.items():
             try:
+                t0 = time.time()
                 for _ in range(5):
                     fn().backward(do)
                 torch.cuda.synchronize()
+                log(f"  {name} warm-up (compile/autotune) {time.time() - t0:.0f} s")
                 with torch.no_grad():
                     inf = bench(fn)
                 res[name] = (bench(fn), bench(lambda: fn().backward(do)), inf)
@@ -233,7 +235,7 @@ def sec_train(fck, shapes):
             if "fla" in impls:
                 kernel_profile(impls["fla"], "fla fwd")
                 kernel_profile(lambda: impls["fla"]().backward(do), "fla fwd+bwd")
-            for bv in (16, 64):
+            for bv in ([16, 64] if os.environ.get("K3_BENCH_VARIANTS") else []):
                 os.environ["K3_KDA_BV"] = str(bv)
                 impls["k3"]().backward(do)
                 log(f"  k3 variant BV={bv}: fwd {bench(impls['k3']):.3f} ms, fwd+bwd {bench(lambda: impls['k3']().backward(do)):.3f} ms")
@@ -349,7 +351,7 @@ def sec_decode(frk, copy_bw, Bs, heads):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", default="ceil,check,train,prefill,long,decode")
+    ap.add_argument("--sections", default="ceil,check,decode,train,prefill,long")
     ap.add_argument("--quick", action="store_true", help="primary shapes only (B1 T8192 H96, H96 prefill, H96 decode)")
     ap.add_argument("--train-shapes", default=None, help="e.g. 1x8192x96x128,2x16384x16x128 (default: registry)")
     ap.add_argument("--prefill-heads", default="96,64")
@@ -383,12 +385,12 @@ def main(argv=None) -> int:
         shapes, args.prefill_heads, args.decode_heads = TRAIN_SHAPES[:1], "96", "96"
     if "check" in secs:
         sec_check(fck, frk, args.precision_variant)
+    if "decode" in secs:
+        sec_decode(frk, copy_bw, [1, 8, 32, 64, 128, 256], ints(args.decode_heads))
     if "train" in secs:
         sec_train(fck, shapes)
     if "prefill" in secs:
         sec_prefill(fck, ints(args.prefill_heads))
-    if "decode" in secs:
-        sec_decode(frk, copy_bw, [1, 8, 32, 64, 128, 256], ints(args.decode_heads))
     if "long" in secs:
         sec_long(fck, ints(args.long_T), ints(args.long_heads))
     md = table()

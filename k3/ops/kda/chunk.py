@@ -121,16 +121,18 @@ def _warps(name: str, default: int) -> int:
 
 
 def _stages(dtype: torch.dtype) -> int:
-    """Software-pipelining depth: 1 for fp32 inputs, whose operand tiles would not fit shared memory."""
-    return 1 if dtype == torch.float32 else 3
+    """Software-pipelining depth: 1 (fp32 operand tiles would not fit shared memory with more; the
+    sequential loops are latency-bound and gain nothing from deeper prefetch)."""
+    return int(os.environ.get("K3_KDA_STAGES", 1))
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str]:
     """(A/P dot precision, inverse / fp32-operand dot precision).
 
-    fp32 inputs: tf32x3 (about fp32 accuracy).  bf16/fp16 inputs: tf32, whose 10-bit mantissa is
-    finer than the 8/11-bit storage of W, U and the states (and tf32x3 triples the registers of
-    the inverse)."""
+    fp32 inputs: tf32x3 (about fp32 accuracy).  bf16/fp16 inputs: the intra-chunk A/P products use
+    the bf16x3 split of triton_common._dot3 (the precision argument only applies to fp32 inputs);
+    the inverse uses tf32, whose 10-bit mantissa is finer than the 8/11-bit storage of W, U and the
+    states (tf32x3 triples the registers of the inverse)."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3"
     return os.environ.get("K3_KDA_AP_PREC", "tf32"), os.environ.get("K3_KDA_T_PREC", "tf32")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _dot3, _gate, _ld, _ld_state, _rnorms, _st, _st_state
 
 
 @triton.jit
@@ -171,9 +171,9 @@ def _kda_bwd_intra(
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kc4 = b_k[None, :, :] * ec4
-        rq3 = tl.dot(dP3, kc4, input_precision=AP_PREC)
-        rk3 = tl.dot(dA3, kc4, input_precision=AP_PREC)
-        col4 = tl.dot(dP3t, Qr3, input_precision=AP_PREC) + tl.dot(dA3t, Kr3, input_precision=AP_PREC)
+        rq3 = _dot3(dP3, kc4, AP_PREC, DOT_DT)
+        rk3 = _dot3(dA3, kc4, AP_PREC, DOT_DT)
+        col4 = _dot3(dP3t, Qr3, AP_PREC, DOT_DT) + _dot3(dA3t, Kr3, AP_PREC, DOT_DT)
         dkc = tl.sum(col4 * ec4, axis=0)
         Fr = tl.reshape(Fr3, (64, BK))
         dqP = scale * Fr * tl.reshape(rq3, (64, BK))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _dot3, _gate, _ld, _ld_state, _rnorms, _st, _st_state
 
 
 @triton.jit
@@ -51,7 +51,7 @@ def _kda_fwd_intra(
     cmask4 = o_s[None, :] < 16 * (o4[:, None] + 1)
     A3 = tl.zeros([4, 16, 64], dtype=tl.float32)
     P3 = tl.zeros([4, 16, 64], dtype=tl.float32)
-    for kc in tl.static_range(K // BK):
+    for kc in range(K // BK):
         b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
@@ -63,8 +63,8 @@ def _kda_fwd_intra(
         # column factors for every row block at once: [4 (row block), 64 (column), BK]
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kct4 = tl.permute(b_k[None, :, :] * ec4, (0, 2, 1))
-        P3 += tl.dot(Qr3, kct4, input_precision=AP_PREC)
-        A3 += tl.dot(Kr3, kct4, input_precision=AP_PREC)
+        P3 += _dot3(Qr3, kct4, AP_PREC, DOT_DT)
+        A3 += _dot3(Kr3, kct4, AP_PREC, DOT_DT)
     A = tl.where(o_t[:, None] > o_s[None, :], tl.reshape(A3, (64, 64)), 0.0)
     b_P = tl.where(o_t[:, None] >= o_s[None, :], tl.reshape(P3, (64, 64)), 0.0)
 
@@ -88,7 +88,7 @@ def _kda_fwd_intra(
     _st(P, row64, nr, 0, b_P, H, 64, 64)
     if STORE_T:
         _st(Tm, row64, nr, 0, b_T, H, 64, 64)
-    for kc in tl.static_range(K // BK):
+    for kc in range(K // BK):
         b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
@@ -99,7 +99,7 @@ def _kda_fwd_intra(
         _st(QG, row64, nr, kc * BK, b_q * scale * eG, H, K, BK)
         _st(KG, row64, nr, kc * BK, b_k * tl.exp(gl[None, :] - G), H, K, BK)
         tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), gl)
-    for vc in tl.static_range(V // BV):
+    for vc in range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
         _st(U, row64, nr, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC, DOT_DT), H, V, BV)
 
