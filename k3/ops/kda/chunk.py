@@ -103,12 +103,21 @@ def _bv(V: int, programs_per_bv64: int) -> int:
     return bv
 
 
+def _half_dots() -> bool:
+    """Whether bf16/fp16 inputs use half-precision tensor-core operands (K3_KDA_DOT=half).
+
+    Default: fp32 operands (tf32-class dots) for every input dtype, the path validated on the
+    H200; the half-operand path is kept for tuning but produced wrong results / illegal
+    addresses on Triton 3.6 (see docs/kda_kernels.md), so it is opt-in."""
+    return os.environ.get("K3_KDA_DOT", "fp32") == "half" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def _dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the state/value dots: the storage dtype on GPU; fp32 under the
-    interpreter, whose half-precision tl.dot is not usable (storage stays in the input dtype)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """Operand dtype of the state/value dots (fp32 under the interpreter, whose half-precision
+    tl.dot is not usable; storage of the intermediates stays in the input dtype)."""
+    if dtype == torch.float32 or not _half_dots():
         return tl.float32
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
 def _tile(name: str, default: int, dim: int) -> int:
@@ -126,16 +135,17 @@ def _stages(dtype: torch.dtype) -> int:
     return int(os.environ.get("K3_KDA_STAGES", 1))
 
 
-def _precisions(dtype: torch.dtype) -> tuple[str, str]:
-    """(A/P dot precision, inverse / fp32-operand dot precision).
+def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
+    """(intra-chunk A/P precision, inverse precision, state-dot precision) of fp32-operand dots.
 
-    fp32 inputs: tf32x3 (about fp32 accuracy).  bf16/fp16 inputs: the intra-chunk A/P products use
-    the bf16x3 split of triton_common._dot3 (the precision argument only applies to fp32 inputs);
-    the inverse uses tf32, whose 10-bit mantissa is finer than the 8/11-bit storage of W, U and the
-    states (tf32x3 triples the registers of the inverse)."""
+    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32x3 for the
+    factorised A/P products and the inverse (plain tf32 there biased the gate-parameter gradients,
+    sums over all tokens, to ~1e-2), tf32 for the state products (finer than the bf16 storage of
+    W, U and the per-chunk states)."""
     if dtype == torch.float32:
-        return "tf32x3", "tf32x3"
-    return os.environ.get("K3_KDA_AP_PREC", "tf32"), os.environ.get("K3_KDA_T_PREC", "tf32")
+        return "tf32x3", "tf32x3", "tf32x3"
+    env = os.environ.get
+    return env("K3_KDA_AP_PREC", "tf32x3"), env("K3_KDA_T_PREC", "tf32x3"), env("K3_KDA_S_PREC", "tf32")
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -153,7 +163,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     P = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
     GL = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     Tm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32) if training else GL
-    ap, tp = _precisions(dt)
+    ap, tp, sp = _precisions(dt)
     dummy = GL
     bv_intra = min(V, 64)
     if NC > 0:
@@ -176,7 +186,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        PREC=sp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -190,7 +200,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dev, dt = q.device, q.dtype
     NC, N = meta.NC, meta.N
     gate = A_log is not None
-    ap, tp = _precisions(dt)
+    ap, tp, sp = _precisions(dt)
     do = do.contiguous()
     DH = torch.empty(NC, H, K, V, device=dev, dtype=dt)
     DVN = torch.empty(B * T, H, V, device=dev, dtype=dt)
@@ -200,7 +210,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=tp, DOT_DT=_dot_dtype(dt),
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp, DOT_DT=_dot_dtype(dt),
         num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     dq = torch.empty_like(q)
@@ -219,7 +229,8 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt), num_warps=_warps("BWD", 8 if K >= 128 else 4),
+            AP_PREC=ap, T_PREC=tp, S_PREC=sp, DOT_DT=_dot_dtype(dt),
+            num_warps=_warps("BWD", 8 if K >= 128 else 4),
             num_stages=_stages(dt),
         )
     else:

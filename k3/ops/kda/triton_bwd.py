@@ -73,7 +73,7 @@ def _kda_bwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, S_PREC: tl.constexpr, DOT_DT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -104,8 +104,8 @@ def _kda_bwd_intra(
         b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
         b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        dP += _dot(b_do, tl.trans(b_vn), T_PREC, DOT_DT)
-        dT += _dot(b_dvn, tl.trans(b_v * b_b[:, None]), T_PREC, DOT_DT)
+        dP += _dot(b_do, tl.trans(b_vn), S_PREC, DOT_DT)
+        dT += _dot(b_dvn, tl.trans(b_v * b_b[:, None]), S_PREC, DOT_DT)
         dxu = tl.dot(b_Tt, b_dvn.to(tl.float32), input_precision=T_PREC)
         _st(dv, row64, nr, vc * BV, dxu * b_b[:, None], H, V, BV)
         db += tl.sum(dxu * b_v, axis=1)
@@ -120,7 +120,7 @@ def _kda_bwd_intra(
         for vc in range(V // BV):
             b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
             b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
-            dWn += _dot(b_dvn, tl.trans(b_h), T_PREC, DOT_DT)
+            dWn += _dot(b_dvn, tl.trans(b_h), S_PREC, DOT_DT)
         dT -= tl.dot(dWn, tl.trans(b_k * b_b[:, None] * tl.exp(G)), input_precision=T_PREC)
     dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=T_PREC), b_Tt, input_precision=T_PREC)
     dA3 = tl.reshape(tl.where(o_t[:, None] > o_s[None, :], dA, 0.0), (4, 16, 64))
@@ -150,9 +150,9 @@ def _kda_bwd_intra(
             b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
             b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
             b_ht = tl.trans(b_h)
-            dqg += _dot(b_do, b_ht, T_PREC, DOT_DT)
-            dkg += _dot(b_vn, tl.trans(b_dh), T_PREC, DOT_DT)
-            dWn += _dot(b_dvn, b_ht, T_PREC, DOT_DT)
+            dqg += _dot(b_do, b_ht, S_PREC, DOT_DT)
+            dkg += _dot(b_vn, tl.trans(b_dh), S_PREC, DOT_DT)
+            dWn += _dot(b_dvn, b_ht, S_PREC, DOT_DT)
             dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G
         b_dq = scale * eG * dqg
