@@ -11,6 +11,9 @@ Sections (default: all, in this order):
            in-kernel gate (A_log = dt_bias = 0, lower_bound -5), qk-l2norm, beta-sigmoid, final state,
            inference mode
   long     B4: B = 1, H in {16, 24}, T up to 256K, prefill configuration
+fla's first call autotunes its kernels: on the H200 image (Triton 3.6) the B2 primary shape did not
+finish warming within 4 minutes, so give each section its own process / call when time is limited
+(k3's rows are printed as soon as they are measured).
 Timing: triton.testing.do_bench(warmup=25, rep=100) median.  Roofline: 790 TFLOP/s bf16, 4.3 TB/s
 (benchmarks.md); "roof" = (max of FLOP time and minimal-byte time at those rates) / measured time.
 
@@ -224,6 +227,8 @@ def sec_train(fck, shapes):
                 with torch.no_grad():
                     inf = bench(fn)
                 res[name] = (bench(fn), bench(lambda: fn().backward(do)), inf)
+                log(f"  {name} B{B} T{T} H{H} D{D}: fwd {res[name][0]:.3f} ms, fwd (no grad) {inf:.3f} ms, "
+                    f"fwd+bwd {res[name][1]:.3f} ms")
             except (ValueError, RuntimeError) as e:
                 log(f"  {name} B{B} T{T} H{H} D{D}: {type(e).__name__}: {str(e)[:120]}")
                 res[name] = (None, None, None)
@@ -278,10 +283,12 @@ def _prefill_row(section, cfg, lengths, H, fck, D=128):
             if fn is None:
                 times[name] = None
                 continue
+            t0 = time.time()
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()
             times[name] = bench(fn)
+            log(f"  {name} {section} {cfg}: {times[name]:.3f} ms (warm-up {time.time() - t0:.0f} s)")
     n = sum(lengths)
     N = len(lengths)
     by = n * H * (4 * D * 2 + 2) + n * H * D * 2 + N * H * D * D * 4

@@ -13,11 +13,15 @@ per-step log-decay is bounded below.  Hence:
     before the factors overflow).  Without a declared bound this backend raises ValueError:
     use the torch or reference backend for unbounded gates.
 
-Precision.  State, decay and the UT inverse are fp32 (inverse dots at tf32x3).  Intermediates
-(W, U, qg, kg, P, per-chunk states) are stored in the input dtype; bf16/fp16 inputs use bf16/fp16
-tensor-core dots with fp32 accumulation for the state products (like fla), fp32 inputs use
-tf32x3 dots throughout.  The intra-chunk A/P products use tf32 operands (fp32 range, so the
-factorised exponentials never overflow fp16).
+Precision.  State, decay, the UT inverse and every dot operand are fp32 (tensor cores at tf32 or
+tf32x3, see `_precisions`; the factorised exponentials need fp32 range, so fp16 inputs are safe).
+Intermediates (W, U, qg, kg, P, per-chunk states, Vn, dVn) are stored in the input dtype, which
+bounds bf16 accuracy to ~0.5 % relative (fla's level).
+
+Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC (dot
+precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk widths),
+K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD}, K3_KDA_STAGES.
+Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
@@ -29,7 +33,6 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
@@ -38,7 +41,7 @@ __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
 CHUNK = 64
 _SUPPORTED_DIMS = (16, 32, 64, 128)
-_TORCH2TL = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class ChunkMeta:
@@ -103,23 +106,6 @@ def _bv(V: int, programs_per_bv64: int) -> int:
     return bv
 
 
-def _half_dots() -> bool:
-    """Whether bf16/fp16 inputs use half-precision tensor-core operands (K3_KDA_DOT=half).
-
-    Default: fp32 operands (tf32-class dots) for every input dtype, the path validated on the
-    H200; the half-operand path is kept for tuning but produced wrong results / illegal
-    addresses on Triton 3.6 (see docs/kda_kernels.md), so it is opt-in."""
-    return os.environ.get("K3_KDA_DOT", "fp32") == "half" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
-
-def _dot_dtype(dtype: torch.dtype):
-    """Operand dtype of the state/value dots (fp32 under the interpreter, whose half-precision
-    tl.dot is not usable; storage of the intermediates stays in the input dtype)."""
-    if dtype == torch.float32 or not _half_dots():
-        return tl.float32
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
-
-
 def _tile(name: str, default: int, dim: int) -> int:
     """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
     return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
@@ -136,16 +122,17 @@ def _stages(dtype: torch.dtype) -> int:
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
-    """(intra-chunk A/P precision, inverse precision, state-dot precision) of fp32-operand dots.
+    """(intra-chunk A/P precision, inverse precision, state-dot precision) of the fp32-operand dots.
 
-    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32x3 for the
-    factorised A/P products and the inverse (plain tf32 there biased the gate-parameter gradients,
-    sums over all tokens, to ~1e-2), tf32 for the state products (finer than the bf16 storage of
-    W, U and the per-chunk states)."""
+    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32 everywhere (its
+    10-bit mantissa is finer than the bf16 storage of the intermediates).  Measured on the H200
+    (B1 T8192 H96 D128 bf16): tf32 gives gate-parameter gradients (dA_log, ddt_bias: sums over
+    every token) within ~1.6e-2 relative of float64, tf32x3 for A/P and the inverse (env
+    K3_KDA_AP_PREC=tf32x3 K3_KDA_T_PREC=tf32x3) within ~5e-3 like fla, at 2.7x the forward time."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     env = os.environ.get
-    return env("K3_KDA_AP_PREC", "tf32x3"), env("K3_KDA_T_PREC", "tf32x3"), env("K3_KDA_S_PREC", "tf32")
+    return env("K3_KDA_AP_PREC", "tf32"), env("K3_KDA_T_PREC", "tf32"), env("K3_KDA_S_PREC", "tf32")
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -172,7 +159,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp, DOT_DT=_dot_dtype(dt),
+            STORE_T=training, AP_PREC=ap, T_PREC=tp,
             num_warps=_warps("INTRA", 8 if K >= 128 else 4), num_stages=_stages(dt),
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
@@ -186,7 +173,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=sp, DOT_DT=_dot_dtype(dt), num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        PREC=sp, num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -210,7 +197,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp, DOT_DT=_dot_dtype(dt),
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp,
         num_warps=_warps("STATE", 4), num_stages=_stages(dt),
     )
     dq = torch.empty_like(q)
@@ -229,7 +216,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, S_PREC=sp, DOT_DT=_dot_dtype(dt),
+            AP_PREC=ap, T_PREC=tp, S_PREC=sp,
             num_warps=_warps("BWD", 8 if K >= 128 else 4),
             num_stages=_stages(dt),
         )
@@ -281,7 +268,7 @@ def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state):
     V = v.shape[-1]
     if K not in _SUPPORTED_DIMS or V not in _SUPPORTED_DIMS:
         raise ValueError(f"triton KDA supports head dims K, V in {_SUPPORTED_DIMS}; got K={K}, V={V}")
-    if q.dtype not in _TORCH2TL or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype among bf16/fp16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (g.is_floating_point() and beta.is_floating_point()):
         raise ValueError("g and beta must be floating point")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _dot3, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _kda_bwd_state(
     P, QG, KG, W, GL, do, dht, dh0, DH, DVN,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr, DOT_DT: tl.constexpr,
+    USE_DHT: tl.constexpr, PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -57,10 +57,10 @@ def _kda_bwd_state(
         b_qg = _ld(QG, row64, nr, 0, H, K, K)
         b_w = _ld(W, row64, nr, 0, H, K, K)
         b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_dvn = _dot(tl.trans(b_p), b_do, PREC, DOT_DT) + _dot(b_kg, dS, PREC, DOT_DT)
+        b_dvn = _dot(tl.trans(b_p), b_do, PREC) + _dot(b_kg, dS, PREC)
         _st(DVN, row64, nr, v0, b_dvn, H, V, BV)
-        dS = dS * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC, DOT_DT) \
-            - _dot(tl.trans(b_w), b_dvn, PREC, DOT_DT)
+        dS = dS * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC) \
+            - _dot(tl.trans(b_w), b_dvn, PREC)
     _st_state(dh0, i_nh.to(tl.int64) * (K * V), 0, v0, dS, V, K, BV)
 
 
@@ -73,7 +73,7 @@ def _kda_bwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, S_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, S_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -104,8 +104,8 @@ def _kda_bwd_intra(
         b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
         b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        dP += _dot(b_do, tl.trans(b_vn), S_PREC, DOT_DT)
-        dT += _dot(b_dvn, tl.trans(b_v * b_b[:, None]), S_PREC, DOT_DT)
+        dP += _dot(b_do, tl.trans(b_vn), S_PREC)
+        dT += _dot(b_dvn, tl.trans(b_v * b_b[:, None]), S_PREC)
         dxu = tl.dot(b_Tt, b_dvn.to(tl.float32), input_precision=T_PREC)
         _st(dv, row64, nr, vc * BV, dxu * b_b[:, None], H, V, BV)
         db += tl.sum(dxu * b_v, axis=1)
@@ -120,7 +120,7 @@ def _kda_bwd_intra(
         for vc in range(V // BV):
             b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
             b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
-            dWn += _dot(b_dvn, tl.trans(b_h), S_PREC, DOT_DT)
+            dWn += _dot(b_dvn, tl.trans(b_h), S_PREC)
         dT -= tl.dot(dWn, tl.trans(b_k * b_b[:, None] * tl.exp(G)), input_precision=T_PREC)
     dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=T_PREC), b_Tt, input_precision=T_PREC)
     dA3 = tl.reshape(tl.where(o_t[:, None] > o_s[None, :], dA, 0.0), (4, 16, 64))
@@ -150,9 +150,9 @@ def _kda_bwd_intra(
             b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
             b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
             b_ht = tl.trans(b_h)
-            dqg += _dot(b_do, b_ht, S_PREC, DOT_DT)
-            dkg += _dot(b_vn, tl.trans(b_dh), S_PREC, DOT_DT)
-            dWn += _dot(b_dvn, b_ht, S_PREC, DOT_DT)
+            dqg += _dot(b_do, b_ht, S_PREC)
+            dkg += _dot(b_vn, tl.trans(b_dh), S_PREC)
+            dWn += _dot(b_dvn, b_ht, S_PREC)
             dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G
         b_dq = scale * eG * dqg
@@ -171,9 +171,9 @@ def _kda_bwd_intra(
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kc4 = b_k[None, :, :] * ec4
-        rq3 = _dot3(dP3, kc4, AP_PREC, DOT_DT)
-        rk3 = _dot3(dA3, kc4, AP_PREC, DOT_DT)
-        col4 = _dot3(dP3t, Qr3, AP_PREC, DOT_DT) + _dot3(dA3t, Kr3, AP_PREC, DOT_DT)
+        rq3 = tl.dot(dP3, kc4, input_precision=AP_PREC)
+        rk3 = tl.dot(dA3, kc4, input_precision=AP_PREC)
+        col4 = tl.dot(dP3t, Qr3, input_precision=AP_PREC) + tl.dot(dA3t, Kr3, input_precision=AP_PREC)
         dkc = tl.sum(col4 * ec4, axis=0)
         Fr = tl.reshape(Fr3, (64, BK))
         dqP = scale * Fr * tl.reshape(rq3, (64, BK))

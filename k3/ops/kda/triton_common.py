@@ -130,30 +130,10 @@ def _cumdecay(b_g, BK: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, PREC: tl.constexpr, DT: tl.constexpr):
-    """Tensor-core dot: fp32 operands with PREC ("tf32" / "tf32x3" / "ieee") when DT is fp32,
-    else both operands cast to DT (bf16 / fp16) with fp32 accumulation.  DT is the kernels'
-    DOT_DT argument: the storage dtype on GPU, fp32 under the interpreter (whose half-precision
-    dot is not usable)."""
-    if DT == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
-    else:
-        return tl.dot(a.to(DT), b.to(DT))
+def _dot(a, b, PREC: tl.constexpr):
+    """Tensor-core dot with fp32 operands at precision PREC ("tf32" / "tf32x3"), fp32 accumulation.
 
-
-@triton.jit
-def _dot3(a, b, PREC: tl.constexpr, DT: tl.constexpr):
-    """fp32-accurate dot of fp32 operands for the factorised intra-chunk products.
-
-    With DT fp32 (fp32 inputs, or the interpreter): tl.dot at PREC.  Otherwise three bf16 tensor-core
-    dots on a hi/lo split of each operand (16 mantissa bits, round-to-nearest, fp32 exponent range so
-    the exp(+-40) factors fit): plain tf32 truncation biased the gate-parameter gradients (sums over
-    all tokens) to ~1e-2 relative error; this brings them to the level of fp32 solves."""
-    if DT == tl.float32:
-        return tl.dot(a, b, input_precision=PREC)
-    else:
-        a_hi = a.to(tl.bfloat16)
-        b_hi = b.to(tl.bfloat16)
-        a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-        b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-        return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+    Operands loaded in bf16/fp16 are widened first: on Triton 3.6 / H200 the half-operand variant
+    of these kernels produced wrong results or illegal addresses (docs/kda_kernels.md), and the
+    CPU interpreter's half-precision dot is unusable, so fp32 operands are the one path."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)

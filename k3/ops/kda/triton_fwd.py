@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _dot3, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _kda_fwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, DOT_DT: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -63,8 +63,8 @@ def _kda_fwd_intra(
         # column factors for every row block at once: [4 (row block), 64 (column), BK]
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kct4 = tl.permute(b_k[None, :, :] * ec4, (0, 2, 1))
-        P3 += _dot3(Qr3, kct4, AP_PREC, DOT_DT)
-        A3 += _dot3(Kr3, kct4, AP_PREC, DOT_DT)
+        P3 += tl.dot(Qr3, kct4, input_precision=AP_PREC)
+        A3 += tl.dot(Kr3, kct4, input_precision=AP_PREC)
     A = tl.where(o_t[:, None] > o_s[None, :], tl.reshape(A3, (64, 64)), 0.0)
     b_P = tl.where(o_t[:, None] >= o_s[None, :], tl.reshape(P3, (64, 64)), 0.0)
 
@@ -95,13 +95,13 @@ def _kda_fwd_intra(
                     lower_bound, K, BK, GATE)
         G3, G, mid, gl = _cumdecay(b_g, BK)
         eG = tl.exp(G)
-        _st(W, row64, nr, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC, DOT_DT), H, K, BK)
+        _st(W, row64, nr, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC), H, K, BK)
         _st(QG, row64, nr, kc * BK, b_q * scale * eG, H, K, BK)
         _st(KG, row64, nr, kc * BK, b_k * tl.exp(gl[None, :] - G), H, K, BK)
         tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), gl)
     for vc in range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        _st(U, row64, nr, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC, DOT_DT), H, V, BV)
+        _st(U, row64, nr, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC), H, V, BV)
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _kda_fwd_state(
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
-    PREC: tl.constexpr, DOT_DT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -138,11 +138,11 @@ def _kda_fwd_state(
         b_u = _ld(U, row64, nr, v0, H, V, BV).to(tl.float32)
         b_p = _ld(P, row64, nr, 0, H, 64, 64)
         b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_vn = b_u - _dot(b_w, S, PREC, DOT_DT)
-        b_o = _dot(b_qg, S, PREC, DOT_DT) + _dot(b_p, b_vn, PREC, DOT_DT)
+        b_vn = b_u - _dot(b_w, S, PREC)
+        b_o = _dot(b_qg, S, PREC) + _dot(b_p, b_vn, PREC)
         _st(o, row64, nr, v0, b_o, H, V, BV)
         if STORE_H:
             _st(VN, row64, nr, v0, b_vn, H, V, BV)
-        S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC, DOT_DT)
+        S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC)
     if STORE_HT:
         _st_state(ht, i_nh.to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
