@@ -126,7 +126,6 @@ def sec_ceil():
     b = torch.randn_like(a)
     ms2 = bench(lambda: a @ b)
     log(f"  bf16 8192^3 matmul: {ms2:.3f} ms = {2 * 8192 ** 3 / ms2 / 1e9:.0f} TFLOP/s")
-    del x, y, a, b
     torch.cuda.empty_cache()
     return bw
 
@@ -215,7 +214,8 @@ def sec_train(fck, shapes):
         do = torch.randn_like(v)
         impls = {"k3": lambda: chunk_kda(q, k, v, g, beta, lower_bound=-5.0, use_qk_l2norm_in_kernel=True)[0]}
         if fck is not None:
-            impls["fla"] = lambda: fck(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5)[0]
+            impls["fla"] = lambda: fck(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, safe_gate=True,
+                                       lower_bound=-5)[0]
         res = {}
         for name, fn in impls.items():
             try:
@@ -243,7 +243,9 @@ def sec_train(fck, shapes):
             for bv in ([16, 64] if os.environ.get("K3_BENCH_VARIANTS") else []):
                 os.environ["K3_KDA_BV"] = str(bv)
                 impls["k3"]().backward(do)
-                log(f"  k3 variant BV={bv}: fwd {bench(impls['k3']):.3f} ms, fwd+bwd {bench(lambda: impls['k3']().backward(do)):.3f} ms")
+                fwd_ms = bench(impls["k3"])
+                both_ms = bench(lambda: impls["k3"]().backward(do))
+                log(f"  k3 variant BV={bv}: fwd {fwd_ms:.3f} ms, fwd+bwd {both_ms:.3f} ms")
                 del os.environ["K3_KDA_BV"]
         n = B * T
         cfg = f"B{B} T{T} H{H} D{D}"
@@ -253,7 +255,6 @@ def sec_train(fck, shapes):
         add_row("train", cfg + " fwd", k3r[0], flr[0], fl, by)
         add_row("train", cfg + " fwd (no grad)", k3r[2], flr[2], fl, by)
         add_row("train", cfg + " fwd+bwd", k3r[1], flr[1], 3 * fl, 3 * by)
-        del q, k, v, g, beta, do
         torch.cuda.empty_cache()
 
 
@@ -294,7 +295,6 @@ def _prefill_row(section, cfg, lengths, H, fck, D=128):
     by = n * H * (4 * D * 2 + 2) + n * H * D * 2 + N * H * D * D * 4
     add_row(section, cfg, times["k3"], times["fla"], kda_flops(n, H, D), by,
             note=f"{n / times['k3'] / 1e3:.2f} M tok/s" if times["k3"] else "")
-    del q, k, v, f, beta
     torch.cuda.empty_cache()
 
 
@@ -352,7 +352,6 @@ def sec_decode(frk, copy_bw, Bs, heads):
             add_row("decode", f"H{H} B{B} graph", k3g, flg, None, nb,
                     note=f"{k3g * 1e3:.1f} us; {nb / k3g / 1e6 / (copy_bw / 1e9) * 100:.0f}% of copy BW")
             add_row("decode", f"H{H} B{B} eager", k3e, fle, None, nb, note=f"{k3e * 1e3:.1f} us")
-            del q, k, v, g, beta, pool, state
             torch.cuda.empty_cache()
 
 
@@ -375,7 +374,8 @@ def main(argv=None) -> int:
     import triton
 
     fck, frk, fla_ver = try_fla()
-    header = (f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; GPU {torch.cuda.get_device_name()}; "
+    now = datetime.datetime.now(datetime.timezone.utc)
+    header = (f"date {now:%Y-%m-%d %H:%M UTC}; GPU {torch.cuda.get_device_name()}; "
               f"torch {torch.__version__}; triton {triton.__version__}; CUDA {torch.version.cuda}; fla {fla_ver}; "
               f"python {platform.python_version()}; command: python bench/kda.py {' '.join(argv or sys.argv[1:])}")
     log(header)

@@ -110,11 +110,13 @@ def _check(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, lower_bo
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {list(beta.shape)}")
     if state_pool.dim() != 4 or state_pool.shape[1:] != (H, K, V) or state_pool.dtype != torch.float32:
-        raise ValueError(f"state_pool must be fp32 [num_slots, {H}, {K}, {V}]; got {state_pool.dtype} {list(state_pool.shape)}")
+        raise ValueError(f"state_pool must be fp32 [num_slots, {H}, {K}, {V}]; "
+                         f"got {state_pool.dtype} {list(state_pool.shape)}")
     if not state_pool.is_contiguous():
         raise ValueError("state_pool must be contiguous (it is updated in place)")
     if state_indices.shape != (B,) or state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"state_indices must be int32/int64 [B={B}]; got {state_indices.dtype} {list(state_indices.shape)}")
+        raise ValueError(f"state_indices must be int32/int64 [B={B}]; "
+                         f"got {state_indices.dtype} {list(state_indices.shape)}")
     if A_log is not None:
         if dt_bias is None or A_log.shape != (H,) or dt_bias.numel() != H * K:
             raise ValueError(f"the in-kernel gate needs A_log [{H}] and dt_bias [{H * K}]")
