@@ -126,9 +126,10 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
 
     fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32 everywhere (its
     10-bit mantissa is finer than the bf16 storage of the intermediates).  Measured on the H200
-    (B1 T8192 H96 D128 bf16): tf32 gives gate-parameter gradients (dA_log, ddt_bias: sums over
-    every token) within ~1.6e-2 relative of float64, tf32x3 for A/P and the inverse (env
-    K3_KDA_AP_PREC=tf32x3 K3_KDA_T_PREC=tf32x3) within ~5e-3 like fla, at 2.7x the forward time."""
+    (B1 T2048 H4 D128 bf16 vs float64): tf32 gives gate-parameter gradients (dA_log, ddt_bias: sums
+    over every token) within ~1.6e-2 relative, tf32x3 for A/P and the inverse (env
+    K3_KDA_AP_PREC=tf32x3 K3_KDA_T_PREC=tf32x3) within ~5e-3 like fla, at 2.7x the forward time
+    (B1 T8192 H96)."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     env = os.environ.get
