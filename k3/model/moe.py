@@ -70,6 +70,8 @@ class RoutedExperts(nn.Module):
         xs = z.index_select(0, token)  # (backward: one index_add, not an accumulating index_put)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
+            # fp32 master weights under autocast: _grouped_mm wants both operands in bf16.
+            w1, w3, w2 = (t.to(z.dtype) for t in (w1, w3, w2))
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             a = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
             b = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
