@@ -75,7 +75,8 @@ def test_resume_refuses_a_changed_config(corpus, tmp_path):
 
 
 def test_schedule_helpers():
-    cfg = TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1, tokens_per_step=4096,
+                      stages=[Stage(256, 0.7), Stage(1024, 0.2), Stage(4096, 0.1)])
     assert lr_factor(cfg, 0) == pytest.approx(0.1) and lr_factor(cfg, 50) == 1.0
     assert lr_factor(cfg, 99) == pytest.approx(0.1 + 0.9 * (1 / 20))
     assert [stage_at(cfg, s) for s in (0, 69, 70, 89, 90, 99)] == [0, 0, 1, 1, 2, 2]
