@@ -1,0 +1,77 @@
+"""Distributed training on CPU with gloo and 2 processes (torchrun subprocesses): every check
+compares against one process on the same global batch. Fixed ports per test."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).with_name("workers.py")
+MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "q_lora_rank": 64, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
+         "num_experts_per_token": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
+         "linear_attn_config": {"num_heads": 2, "head_dim": 16}}
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def torchrun(args, port, nproc=2, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+    r = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("check,port", [("fsdp", 29611)])
+def test_equals_one_process(check, port):
+    """Loss, every gradient, clipping, two optimizer steps and the full-state round trip (fsdp)."""
+    assert f"OK {check}" in torchrun([WORKERS, check], port)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print"]
+    import random
+    rnd = random.Random(0)
+    for i in range(40):
+        (d / f"f{i}.py").write_text(" ".join(rnd.choice(words) for _ in range(300)) + "\n")
+    return d
+
+
+def _train(corpus, tmp_path, name, flags, port=None):
+    cfg = dict(tokens_per_step=256, stages=[{"seq_len": 64, "fraction": 1.0}], eval_every=100, eval_tokens=256,
+               eval_seq_len=64, save_every=100, warmup_steps=2, val_fraction=0.1, model=MODEL,
+               cache_dir=str(tmp_path / "cache"), qb_bins=64)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out = tmp_path / name
+    args = ["-m", "k3", "train", "--preset", "k3-tiny", "--max-steps", 4, "--seed", 0, "--deterministic",
+            "--config", tmp_path / "cfg.json", "--data", corpus, "--out", out, *flags]
+    if port is None:
+        r = subprocess.run([sys.executable] + [str(a) for a in args], cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-4000:]
+    else:
+        torchrun(args, port)
+    return [r["loss"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+
+
+def test_torchrun_train_matches_one_process(corpus, tmp_path):
+    one = _train(corpus, tmp_path, "one", [])
+    two = _train(corpus, tmp_path, "two", [], port=29621)
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 2e-3 * abs(a), (one, two)
+    assert (tmp_path / "two" / "final" / "config.json").exists()

@@ -1,0 +1,121 @@
+"""Multi-process checks, run by the tests as `torchrun --nproc-per-node 2 workers.py NAME`.
+
+Each check compares the distributed computation with the single-process one on the same global
+batch, computed in the same process before anything is sharded; a failed comparison raises."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from k3.config import apply_overrides, get_preset
+from k3.model.causal_lm import K3ForCausalLM
+from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
+
+MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "q_lora_rank": 64, "kv_lora_rank": 32,
+         "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
+         "num_experts_per_token": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
+         "linear_attn_config": {"num_heads": 2, "head_dim": 16}}
+FP32 = dict(rtol=1e-4, atol=2e-6)  # fp32, different reduction order (sharded sums, split documents)
+
+
+def tiny_model() -> K3ForCausalLM:
+    cfg = apply_overrides(get_preset("k3-tiny"), dict(MODEL, bos_token_id=256, eos_token_id=258,
+                                                       pad_token_id=511, media_placeholder_token_id=277))
+    cfg.dtype = "float32"
+    cfg.quantization_config = None
+    return K3ForCausalLM(cfg.validate()).init_weights(seed=0)
+
+
+def batch(rows: int = 4, T: int = 32, seed: int = 0):
+    """A packed batch [1, rows*T] whose documents start at every row and at a few places inside rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (1, rows * T), generator=g)
+    labels = torch.randint(0, 500, (1, rows * T), generator=g)
+    starts = set(range(0, rows * T, T)) | {5, T + 20, 2 * T + 1, 3 * T + 17}
+    cu = torch.tensor(sorted(starts) + [rows * T], dtype=torch.int32)
+    labels[0, cu[1:-1].long() - 1] = -100  # targets crossing a document boundary are ignored
+    return ids, labels, cu, T
+
+
+def close(name: str, a: torch.Tensor, b: torch.Tensor, **tol) -> None:
+    if not torch.allclose(a, b, **(tol or FP32)):
+        err = (a - b).abs().max().item()
+        raise AssertionError(f"rank {dist.get_rank()}: {name} differs, max abs err {err:.3e}")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference(model, ids, labels, cu):
+    ref = copy.deepcopy(model)
+    loss = ref(ids, labels=labels, cu_seqlens=cu).loss
+    loss.backward()
+    return ref, loss.detach()
+
+
+def check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T, grads: bool = True) -> None:
+    objective, loss = par.loss(model, par.local_batch(ids, labels, cu, T))
+    objective.backward()
+    par.after_backward()
+    close("loss", loss, ref_loss)
+    if grads:
+        ref_grads = dict(ref.named_parameters())
+        sd = par.full_model_state()  # checks the gather path too
+        for n, p in model.named_parameters():
+            close(f"param {n}", sd[n], ref_grads[n].detach())
+        for n, p in model.named_parameters():
+            if p.grad is None and ref_grads[n].grad is None:
+                continue
+            if p.grad is None:
+                raise AssertionError(f"rank {dist.get_rank()}: no gradient for {n}")
+            g = par._full(p.grad, getattr(p, "_k3_ep_local", False))
+            close(f"grad {n}", g, ref_grads[n].grad)
+
+
+def check_fsdp() -> None:
+    from k3.distributed.runtime import Parallel
+    par = Parallel(device="cpu")
+    model = tiny_model()
+    ids, labels, cu, T = batch()
+    ref, ref_loss = reference(model, ids, labels, cu)
+    par.setup(model)
+    check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T)
+    # clip + one Per-Head Muon/AdamW step on the shards == on one device
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    close("grad norm", par.clip_grad_norm(0.5), ref_norm)
+    geom = HeadGeometry.from_config(ref.config.text_config)
+    ref_opt = PerHeadMuon(build_param_groups(ref, geom, lr=1e-2, weight_decay=0.1))
+    opt = par.optimizer(build_param_groups(model, geom, lr=1e-2, weight_decay=0.1))
+    for _ in range(2):
+        ref_opt.step()
+        opt.step()
+    sd = par.full_model_state()
+    for n, p in ref.named_parameters():
+        # AdamW normalises tiny gradients: a 1e-4 relative gradient difference can move an element by
+        # ~1e-3 of a step (lr = 1e-2), so updated weights are compared at 2e-5 absolute.
+        close(f"updated {n}", sd[n], p.detach(), rtol=1e-4, atol=2e-5)
+    # optimizer state round trip through the full (single-device) format
+    full_opt = par.full_optimizer_state(opt)
+    ref_state = ref_opt.state_dict()["state"]
+    for i, st in ref_state.items():
+        for k, v in st.items():
+            close(f"opt state {i}.{k}", full_opt["state"][i][k], v, rtol=1e-3, atol=1e-6)
+    par.load_full_optimizer_state(opt, full_opt)
+    par.load_full_model_state(sd)
+    close("reloaded", par.full_model_state()["lm_head.weight"], sd["lm_head.weight"])
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    globals()[f"check_{sys.argv[1]}"]()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"OK {sys.argv[1]}")
+    dist.destroy_process_group()
