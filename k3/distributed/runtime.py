@@ -71,6 +71,16 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(self.model.parameters(), max_norm, dist.get_world_size(self.mesh.edp_group))
 
+    def metrics(self) -> dict[str, float]:
+        """Expert-parallel load (max rank load / mean rank load, averaged over MoE layers) of the
+        last step, as plain EP would have it and as MoonEP's plan made it."""
+        from k3.distributed.ep import EPExperts
+        loads = [m.last_load for m in self.model.modules() if isinstance(m, EPExperts) and m.last_load]
+        if not loads:
+            return {}
+        return {f"ep_load_{k.removeprefix('max_over_mean_')}": sum(d[k] for d in loads) / len(loads)
+                for k in loads[0]}
+
     @staticmethod
     def all_reduce(t: torch.Tensor) -> None:
         """In-place sum over every rank (Quantile Balancing histograms)."""

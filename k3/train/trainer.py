@@ -24,8 +24,9 @@ from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_state, set_rng_state
 
 
-def wants_distributed(ep: int, cp: int) -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or ep > 1 or cp > 1
+def wants_distributed() -> bool:
+    """Under torchrun with more than one process (--ep / --cp are no-ops in a single process)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Trainer:
         self.cfg = cfg.validate()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.par = None  # k3.distributed.Parallel under torchrun / --ep / --cp
-        if wants_distributed(ep, cp):
+        if wants_distributed():
             from k3.distributed.runtime import Parallel
             self.par = Parallel(ep, cp, self.device)
             self.device = self.par.device
@@ -192,6 +193,8 @@ class Trainer:
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
         if balance is not None:
             rec["max_load_ratio"] = balance
+        if self.par is not None:
+            rec.update(self.par.metrics())
         return rec
 
     @torch.no_grad()

@@ -34,9 +34,11 @@ def torchrun(args, port, nproc=2, timeout=240):
     return r.stdout
 
 
-@pytest.mark.parametrize("check,port", [("fsdp", 29611)])
+@pytest.mark.parametrize("check,port", [("fsdp", 29611), ("ep", 29612)])
 def test_equals_one_process(check, port):
-    """Loss, every gradient, clipping, two optimizer steps and the full-state round trip (fsdp)."""
+    """fsdp: loss, every gradient, clipping, two optimizer steps and the full-state round trip.
+    ep: plain EP and MoonEP == dense experts forward/backward (skewed router, exact S*K per rank,
+    redundant copies planned), then a whole model with EP + FSDP == one process."""
     assert f"OK {check}" in torchrun([WORKERS, check], port)
 
 
@@ -52,6 +54,7 @@ def corpus(tmp_path_factory):
 
 
 def _train(corpus, tmp_path, name, flags, port=None):
+    tmp_path.mkdir(exist_ok=True)
     cfg = dict(tokens_per_step=256, stages=[{"seq_len": 64, "fraction": 1.0}], eval_every=100, eval_tokens=256,
                eval_seq_len=64, save_every=100, warmup_steps=2, val_fraction=0.1, model=MODEL,
                cache_dir=str(tmp_path / "cache"), qb_bins=64)
@@ -68,10 +71,19 @@ def _train(corpus, tmp_path, name, flags, port=None):
     return [r["loss"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
 
 
-def test_torchrun_train_matches_one_process(corpus, tmp_path):
-    one = _train(corpus, tmp_path, "one", [])
-    two = _train(corpus, tmp_path, "two", [], port=29621)
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two):
-        assert abs(a - b) <= 2e-3 * abs(a), (one, two)
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    """The single-process run (--ep/--cp are no-ops without torchrun, so it serves every flag)."""
+    return _train(corpus, tmp_path_factory.mktemp("one"), "one", [])
+
+
+@pytest.mark.parametrize("flags,port", [([], 29621), (["--ep", "2"], 29622)])
+def test_torchrun_train_matches_one_process(corpus, one_process, tmp_path, flags, port):
+    two = _train(corpus, tmp_path, "two", flags, port=port)
+    assert len(one_process) == len(two) == 4
+    for a, b in zip(one_process, two):
+        assert abs(a - b) <= 2e-3 * abs(a), (one_process, two)
     assert (tmp_path / "two" / "final" / "config.json").exists()
+    recs = read_metrics(str(tmp_path / "two" / "metrics.jsonl"))
+    if "--ep" in flags:
+        assert all(r["ep_load_balanced"] == 1.0 and r["ep_load_plain"] >= 1.0 for r in recs if "loss" in r)
