@@ -34,11 +34,13 @@ def torchrun(args, port, nproc=2, timeout=240):
     return r.stdout
 
 
-@pytest.mark.parametrize("check,port", [("fsdp", 29611), ("ep", 29612)])
+@pytest.mark.parametrize("check,port", [("fsdp", 29611), ("ep", 29612), ("cp", 29613)])
 def test_equals_one_process(check, port):
     """fsdp: loss, every gradient, clipping, two optimizer steps and the full-state round trip.
     ep: plain EP and MoonEP == dense experts forward/backward (skewed router, exact S*K per rank,
-    redundant copies planned), then a whole model with EP + FSDP == one process."""
+    redundant copies planned), then a whole model with EP + FSDP == one process.
+    cp: a whole model with CP + FSDP == one process on rows whose documents cross the segment
+    edge (also inside the conv halo) or start exactly at it."""
     assert f"OK {check}" in torchrun([WORKERS, check], port)
 
 
@@ -77,7 +79,7 @@ def one_process(corpus, tmp_path_factory):
     return _train(corpus, tmp_path_factory.mktemp("one"), "one", [])
 
 
-@pytest.mark.parametrize("flags,port", [([], 29621), (["--ep", "2"], 29622)])
+@pytest.mark.parametrize("flags,port", [([], 29621), (["--ep", "2"], 29622), (["--cp", "2"], 29623)])
 def test_torchrun_train_matches_one_process(corpus, one_process, tmp_path, flags, port):
     two = _train(corpus, tmp_path, "two", flags, port=port)
     assert len(one_process) == len(two) == 4

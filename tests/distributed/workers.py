@@ -165,6 +165,27 @@ def check_ep() -> None:
     check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T)
 
 
+def check_cp() -> None:
+    """CP over 2 ranks (KDA transforms + conv halo, MLA gathered latent) == one process, with
+    documents crossing the segment edge at 64 (one starting 3 tokens before it, inside the conv
+    halo), a row whose edge is a document start, and one document over the whole row."""
+    from k3.distributed.runtime import Parallel
+    par = Parallel(cp=2, device="cpu")
+    model = tiny_model()
+    base = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 500, (1, 128), generator=g)
+    labels = torch.randint(0, 500, (1, 128), generator=g)
+    for starts in ([0, 5, 61], [0, 30, 64, 100], [0]):
+        cu = torch.tensor(starts + [128], dtype=torch.int32)
+        ref, ref_loss = reference(base, ids, labels, cu)
+        if par.model is None:
+            par.setup(model)
+        else:
+            model.zero_grad(set_to_none=True)
+        check_against_reference(par, model, ref, ref_loss, ids, labels, cu, 128)
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(40, exit=True)  # a hung collective fails with a stack
