@@ -186,6 +186,38 @@ def check_cp() -> None:
         check_against_reference(par, model, ref, ref_loss, ids, labels, cu, 128)
 
 
+def train_step(par, model, opt, ids, labels, cu, T) -> float:
+    objective, loss = par.loss(model, par.local_batch(ids, labels, cu, T))
+    objective.backward()
+    par.after_backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def check_dcp() -> None:
+    """EP + FSDP on 2 ranks: one step, DCP save to argv[2], then a second step; rank 0 writes the
+    losses of both steps to argv[2]/losses.json for the single-process side of the test."""
+    import json
+    import os
+    from k3.distributed.checkpoint import save_dcp
+    from k3.distributed.runtime import Parallel
+    path = sys.argv[2]
+    par = Parallel(ep=2, device="cpu")
+    model = tiny_model()
+    par.setup(model)
+    geom = HeadGeometry.from_config(model.config.text_config)
+    opt = par.optimizer(build_param_groups(model, geom, lr=1e-2, weight_decay=0.1))
+    ids, labels, cu, T = batch()
+    first = train_step(par, model, opt, ids, labels, cu, T)
+    save_dcp(path, model, opt, par.mesh)
+    second = train_step(par, model, opt, ids, labels, cu, T)
+    third = par.loss(model, par.local_batch(ids, labels, cu, T))[1].item()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "losses.json"), "w") as f:
+            json.dump([first, second, third], f)
+
+
 if __name__ == "__main__":
     import faulthandler
     faulthandler.dump_traceback_later(40, exit=True)  # a hung collective fails with a stack
