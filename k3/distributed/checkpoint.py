@@ -11,9 +11,11 @@ position, so the layout does not depend on how param groups are ordered.
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -67,6 +69,23 @@ def save_dcp(path: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimiz
              mesh=None) -> None:
     """Collective under a process group (every rank writes its shards); plain save without one."""
     dcp.save(dcp_state(model, opt, mesh), checkpoint_id=os.fspath(path))
+
+
+def save_dcp_atomic(path: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer | None,
+                    mesh) -> None:
+    """save_dcp into `path`.tmp, then rank 0 swaps it in for `path` (collective)."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    if mesh.is_main and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier()
+    save_dcp(tmp, model, opt, mesh)
+    dist.barrier()
+    if mesh.is_main:
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    dist.barrier()
 
 
 def load_dcp(path: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer | None = None,

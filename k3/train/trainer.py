@@ -112,7 +112,11 @@ class Trainer:
             changed = sorted(k for k, v in self.cfg.to_dict().items()
                              if k != "out" and st["train_config"].get(k) != v)
             raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
-        if self.par is None:
+        if isinstance(st["model"], str):  # "dcp": a sharded checkpoint from a distributed run
+            from k3.distributed.checkpoint import load_dcp
+            load_dcp(os.path.join(self.ckpt_dir, st["model"]), self.model, self.opt,
+                     None if self.par is None else self.par.mesh)
+        elif self.par is None:
             self.model.load_state_dict(st["model"])
             self.opt.load_state_dict(st["optimizer"])
         else:
@@ -129,8 +133,10 @@ class Trainer:
     def save(self) -> None:
         if self.par is None:
             model, opt = self.model.state_dict(), self.opt.state_dict()
-        else:  # every rank gathers; rank 0 writes the single-device format (resumable at any world size)
-            model, opt = self.par.full_model_state(), self.par.full_optimizer_state(self.opt)
+        else:  # sharded torch.distributed.checkpoint, loadable at any world size (also by one process)
+            from k3.distributed.checkpoint import save_dcp_atomic
+            save_dcp_atomic(os.path.join(self.ckpt_dir, "dcp"), self.model, self.opt, self.par.mesh)
+            model = opt = "dcp"
             if not self.main:
                 return
         save_state(self.ckpt_dir, {

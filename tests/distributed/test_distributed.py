@@ -89,6 +89,14 @@ def test_torchrun_train_matches_one_process(corpus, one_process, tmp_path, flags
     recs = read_metrics(str(tmp_path / "two" / "metrics.jsonl"))
     if "--ep" in flags:
         assert all(r["ep_load_balanced"] == 1.0 and r["ep_load_plain"] >= 1.0 for r in recs if "loss" in r)
+        # the 2-rank sharded (DCP) checkpoint resumes in one process with the identical model
+        from k3.train.config import TrainConfig
+        from k3.train.trainer import Trainer
+        cfg = json.loads((tmp_path / "cfg.json").read_text())
+        cfg.update(preset="k3-tiny", max_steps=4, seed=0, deterministic=True, data=str(corpus), out=str(tmp_path / "two"))
+        t = Trainer(TrainConfig.from_dict(cfg), resume=True)
+        assert t.step == 4 and t.evaluate() == pytest.approx(recs[-1]["val_loss"], rel=1e-6)
+        t.log.close()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
