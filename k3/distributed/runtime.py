@@ -28,8 +28,9 @@ class Parallel:
         return self.mesh.is_main
 
     # ---- model -----------------------------------------------------------------------------------
-    def setup(self, model: nn.Module) -> nn.Module:
-        """Expert parallel (ep > 1), context parallel (cp > 1), then FSDP2; in place."""
+    def setup(self, model: nn.Module, mixed_precision: bool | None = None) -> nn.Module:
+        """Expert parallel (ep > 1), context parallel (cp > 1), then FSDP2; in place.
+        mixed_precision: bf16 FSDP compute (default: on CUDA)."""
         m = self.mesh
         if m.ep > 1:
             from k3.distributed.ep import apply_expert_parallel
@@ -37,7 +38,9 @@ class Parallel:
         if m.cp > 1:
             from k3.distributed.cp import apply_context_parallel
             self.cp_context = apply_context_parallel(model, m.cp_group)
-        apply_fsdp(model, m.world_mesh, mixed_precision=self.device.type == "cuda")
+        if mixed_precision is None:
+            mixed_precision = self.device.type == "cuda"
+        apply_fsdp(model, m.world_mesh, mixed_precision=mixed_precision)
         self.model = model
         return model
 

@@ -6,6 +6,7 @@ batch, computed in the same process before anything is sharded; a failed compari
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -19,6 +20,7 @@ MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "q_lora
          "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
          "num_experts_per_token": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
          "linear_attn_config": {"num_heads": 2, "head_dim": 16}}
+DEVICE = os.environ.get("K3_TEST_DEVICE", "cpu")  # "cuda": the same checks over NCCL, fp32
 FP32 = dict(rtol=1e-4, atol=2e-6)  # fp32, different reduction order (sharded sums, split documents)
 
 
@@ -27,7 +29,7 @@ def tiny_model() -> K3ForCausalLM:
                                                        pad_token_id=511, media_placeholder_token_id=277))
     cfg.dtype = "float32"
     cfg.quantization_config = None
-    return K3ForCausalLM(cfg.validate()).init_weights(seed=0)
+    return K3ForCausalLM(cfg.validate()).init_weights(seed=0).to(DEVICE).set_kda_backend("torch")
 
 
 def batch(rows: int = 4, T: int = 32, seed: int = 0):
@@ -38,10 +40,11 @@ def batch(rows: int = 4, T: int = 32, seed: int = 0):
     starts = set(range(0, rows * T, T)) | {5, T + 20, 2 * T + 1, 3 * T + 17}
     cu = torch.tensor(sorted(starts) + [rows * T], dtype=torch.int32)
     labels[0, cu[1:-1].long() - 1] = -100  # targets crossing a document boundary are ignored
-    return ids, labels, cu, T
+    return ids.to(DEVICE), labels.to(DEVICE), cu.to(DEVICE), T
 
 
 def close(name: str, a: torch.Tensor, b: torch.Tensor, **tol) -> None:
+    a, b = a.detach().cpu(), b.detach().cpu()
     if not torch.allclose(a, b, **(tol or FP32)):
         err = (a - b).abs().max().item()
         raise AssertionError(f"rank {dist.get_rank()}: {name} differs, max abs err {err:.3e}")
@@ -80,11 +83,11 @@ def check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T, grads
 
 def check_fsdp() -> None:
     from k3.distributed.runtime import Parallel
-    par = Parallel(device="cpu")
+    par = Parallel(device=DEVICE)
     model = tiny_model()
     ids, labels, cu, T = batch()
     ref, ref_loss = reference(model, ids, labels, cu)
-    par.setup(model)
+    par.setup(model, mixed_precision=False)
     check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T)
     # clip + one Per-Head Muon/AdamW step on the shards == on one device
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
@@ -117,7 +120,7 @@ def check_ep() -> None:
     from k3.distributed.ep import EPExperts
     from k3.distributed.mesh import init_mesh
     from k3.model.moe import RoutedExperts
-    mesh = init_mesh(ep=2, device="cpu")
+    mesh = init_mesh(ep=2, device=DEVICE)
     rank = dist.get_rank()
     dense = tiny_model().model.layers[1].block_sparse_moe.experts
     E, N, k, L = dense.w1.shape[0], 24, 2, dense.w1.shape[2]
@@ -130,16 +133,17 @@ def check_ep() -> None:
     idx_all[..., 1] = torch.where(skew, 1, torch.where(idx_all[..., 1] == 0, idx_all[..., 0], idx_all[..., 1]))
     idx_all[..., 1] = torch.where(idx_all[..., 1] == idx_all[..., 0], (idx_all[..., 0] + 3) % E, idx_all[..., 1])
     w_all = torch.rand(2, N, k, generator=g)
+    z_all, idx_all, w_all = z_all.to(DEVICE), idx_all.to(DEVICE), w_all.to(DEVICE)
     z_ref = z_all.clone().requires_grad_()
     w_ref = w_all.clone().requires_grad_()
     ref_out = torch.stack([dense(z_ref[i], idx_all[i], w_ref[i]) for i in range(2)])
-    (ref_out * torch.arange(L)).sum().backward()
+    (ref_out * torch.arange(L, device=DEVICE)).sum().backward()
     for balanced in (False, True):
         ep = EPExperts(dense, mesh.ep_group, balanced=balanced)
         z = z_all[rank].clone().requires_grad_()
         w = w_all[rank].clone().requires_grad_()
         out = ep(z, idx_all[rank], w)
-        (out * torch.arange(L)).sum().backward()
+        (out * torch.arange(L, device=DEVICE)).sum().backward()
         tag = "moonep" if balanced else "ep"
         close(f"{tag} out", out, ref_out[rank].detach())
         close(f"{tag} dz", z.grad, z_ref.grad[rank])
@@ -151,17 +155,17 @@ def check_ep() -> None:
         if balanced:
             assert ep.last_load["max_over_mean_plain"] > 1.3, ep.last_load
             from k3.distributed.ep import plan_balanced
-            counts = torch.bincount(idx_all.reshape(-1), minlength=E)
+            counts = torch.bincount(idx_all.reshape(-1).cpu(), minlength=E)
             slots = plan_balanced(counts, 2)
             assert [sum(n for _, n in s) for s in slots] == [N * k, N * k], slots
             assert any(e // (E // 2) != r for r, s in enumerate(slots) for e, _ in s), "no redundant copy planned"
     # whole model: EP + FSDP == one process
     from k3.distributed.runtime import Parallel
-    par = Parallel(ep=2, device="cpu")
+    par = Parallel(ep=2, device=DEVICE)
     model = tiny_model()
     ids, labels, cu, T = batch()
     ref, ref_loss = reference(model, ids, labels, cu)
-    par.setup(model)
+    par.setup(model, mixed_precision=False)
     check_against_reference(par, model, ref, ref_loss, ids, labels, cu, T)
 
 
@@ -170,17 +174,18 @@ def check_cp() -> None:
     documents crossing the segment edge at 64 (one starting 3 tokens before it, inside the conv
     halo), a row whose edge is a document start, and one document over the whole row."""
     from k3.distributed.runtime import Parallel
-    par = Parallel(cp=2, device="cpu")
+    par = Parallel(cp=2, device=DEVICE)
     model = tiny_model()
     base = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 500, (1, 128), generator=g)
     labels = torch.randint(0, 500, (1, 128), generator=g)
+    ids, labels = ids.to(DEVICE), labels.to(DEVICE)
     for starts in ([0, 5, 61], [0, 30, 64, 100], [0]):
-        cu = torch.tensor(starts + [128], dtype=torch.int32)
+        cu = torch.tensor(starts + [128], dtype=torch.int32, device=DEVICE)
         ref, ref_loss = reference(base, ids, labels, cu)
         if par.model is None:
-            par.setup(model)
+            par.setup(model, mixed_precision=False)
         else:
             model.zero_grad(set_to_none=True)
         check_against_reference(par, model, ref, ref_loss, ids, labels, cu, 128)
@@ -203,9 +208,9 @@ def check_dcp() -> None:
     from k3.distributed.checkpoint import save_dcp
     from k3.distributed.runtime import Parallel
     path = sys.argv[2]
-    par = Parallel(ep=2, device="cpu")
+    par = Parallel(ep=2, device=DEVICE)
     model = tiny_model()
-    par.setup(model)
+    par.setup(model, mixed_precision=False)
     geom = HeadGeometry.from_config(model.config.text_config)
     opt = par.optimizer(build_param_groups(model, geom, lr=1e-2, weight_decay=0.1))
     ids, labels, cu, T = batch()
