@@ -93,7 +93,8 @@ def test_torchrun_train_matches_one_process(corpus, one_process, tmp_path, flags
         from k3.train.config import TrainConfig
         from k3.train.trainer import Trainer
         cfg = json.loads((tmp_path / "cfg.json").read_text())
-        cfg.update(preset="k3-tiny", max_steps=4, seed=0, deterministic=True, data=str(corpus), out=str(tmp_path / "two"))
+        cfg.update(preset="k3-tiny", max_steps=4, seed=0, deterministic=True, data=str(corpus),
+                   out=str(tmp_path / "two"))
         t = Trainer(TrainConfig.from_dict(cfg), resume=True)
         assert t.step == 4 and t.evaluate() == pytest.approx(recs[-1]["val_loss"], rel=1e-6)
         t.log.close()

@@ -119,7 +119,6 @@ def check_ep() -> None:
     exactly S*K pairs under a skewed router; then a whole model with EP + FSDP == one process."""
     from k3.distributed.ep import EPExperts
     from k3.distributed.mesh import init_mesh
-    from k3.model.moe import RoutedExperts
     mesh = init_mesh(ep=2, device=DEVICE)
     rank = dist.get_rank()
     dense = tiny_model().model.layers[1].block_sparse_moe.experts
