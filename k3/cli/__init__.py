@@ -13,6 +13,8 @@ COMMANDS = [
     "generate",
     "train",
     "chat_template",
+    "serve",
+    "chat",
 ]
 
 

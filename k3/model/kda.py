@@ -42,10 +42,11 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
         # virtual position p within sequence s (negative = inside the tail) -> row of `src`
         return torch.where(p >= 0, starts[s] + p, T + s * (W - 1) + (W - 1) + p)
 
-    y = sum(src[index(seq, pos - (W - 1 - j))] * w[:, j] for j in range(W))
+    y = sum(src.index_select(0, index(seq, pos - (W - 1 - j))) * w[:, j] for j in range(W))
     n = torch.arange(N, device=x.device)
     p_tail = layout.new_lens[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]
-    new_tail = src[index(n[:, None].expand_as(p_tail), p_tail)].to(x.dtype)
+    new_tail = src.index_select(0, index(n[:, None].expand_as(p_tail), p_tail).flatten()).view(N, W - 1, C)
+    new_tail = new_tail.to(x.dtype)
     return torch.nn.functional.silu(y).to(x.dtype)[None], new_tail
 
 

@@ -163,4 +163,5 @@ def _from_padded(x: torch.Tensor, layout: SeqLayout, shape: torch.Size) -> torch
     if layout.cu_seqlens is None:
         return x
     seq, pos = layout.token_seq_pos(shape[1])
-    return x[seq, pos][None]
+    flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return flat.index_select(0, seq * x.shape[1] + pos)[None]  # backward: index_add, not index_put

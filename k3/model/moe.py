@@ -67,24 +67,24 @@ class RoutedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token = order // k
         counts = torch.bincount(flat, minlength=E)
-        xs = z[token]
+        xs = z.index_select(0, token)  # (backward: one index_add, not an accumulating index_put)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
+            # fp32 master weights under autocast: _grouped_mm wants both operands in bf16.
+            w1, w3, w2 = (t.to(z.dtype) for t in (w1, w3, w2))
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             a = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
             b = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
             h = glu_act(a, b, self.act, self.beta, self.beta_lin)
             y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
-        else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host)
-            y = xs.new_empty(xs.shape[0], w2.shape[1])
-            start = 0
-            for e, c in enumerate(counts.tolist()):
-                if c:
-                    xe = xs[start: start + c]
-                    h = glu_act(xe @ w1[e].t(), xe @ w3[e].t(), self.act, self.beta, self.beta_lin)
-                    y[start: start + c] = h @ w2[e].t()
-                    start += c
-        contrib = y.float() * w.reshape(-1)[order, None]
+        else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
+            # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice.
+            sizes = counts.tolist()
+            w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
+            outs = [glu_act(xe @ w1s[e].t(), xe @ w3s[e].t(), self.act, self.beta, self.beta_lin) @ w2s[e].t()
+                    for e, xe in enumerate(xs.split(sizes)) if sizes[e]]
+            y = torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
+        contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
         return torch.zeros(N, y.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, contrib)
 
 

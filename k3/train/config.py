@@ -31,23 +31,24 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the model config (text_config keys)
     data: str | None = None  # None = the Python stdlib source of the running interpreter
     out: str | None = None
-    max_steps: int = 600
+    max_steps: int = 200
     seed: int = 0
     deterministic: bool = False
-    tokens_per_step: int = 4096
-    stages: list[Stage] = field(default_factory=lambda: [Stage(256, 0.7), Stage(1024, 0.2), Stage(4096, 0.1)])
-    lr: float = 3e-3  # Muon (update RMS matched to AdamW, so the same scale as AdamW's)
-    adamw_lr: float = 3e-3
+    tokens_per_step: int = 2048
+    # Tiny default, scaled down from K3's 8K -> 64K -> 256K -> 1M.
+    stages: list[Stage] = field(default_factory=lambda: [Stage(128, 0.6), Stage(512, 0.25), Stage(2048, 0.15)])
+    lr: float = 4e-3  # Muon (update RMS matched to AdamW, so the same scale as AdamW's)
+    adamw_lr: float = 4e-3
     weight_decay: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     decay_fraction: float = 0.3
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     val_fraction: float = 0.01
-    eval_every: int = 100
+    eval_every: int = 40
     eval_tokens: int = 16384
-    eval_seq_len: int = 256
-    save_every: int = 200
+    eval_seq_len: int = 128
+    save_every: int = 100
     log_every: int = 1
     vocab_size: int | None = None  # tokenizer vocab; default = the model's vocab_size
     tokenizer: str | None = None  # an existing tokenizer dir (e.g. with the official tiktoken.model)

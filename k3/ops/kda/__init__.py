@@ -74,6 +74,8 @@ def kda(
         v: [B, T, H, V] (V may differ from K).
         g: [B, T, H, K] log-decay; or, when `A_log` is given, the raw gate input f that
             `kda_gate(f, A_log, dt_bias, lower_bound)` turns into the log-decay.
+        lower_bound: with `A_log`, the bounded-gate constant L (None = Kimi-Linear softplus gate);
+            with a pre-computed g, a declared bound g >= L that lets the Triton kernels factorise.
         beta: [B, T, H] in (0, 1); or logits when `use_beta_sigmoid_in_kernel`.
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] (N = B, or the number of packed sequences); fp32 preferred.
@@ -85,13 +87,16 @@ def kda(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     gate_fused = A_log is not None
-    if not gate_fused and (dt_bias is not None or lower_bound is not None):
-        raise ValueError("dt_bias / lower_bound are only meaningful with A_log (in-kernel gate)")
+    if not gate_fused and dt_bias is not None:
+        raise ValueError("dt_bias is only meaningful with A_log (in-kernel gate)")
     if gate_fused and dt_bias is None:
         raise ValueError("the in-kernel gate needs dt_bias together with A_log")
+    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
     _check(q, k, v, g, beta, initial_state, cu_seqlens, gate_fused)
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+        # The Triton kernels need a known lower bound on the per-step decay (the K3 gate gives one).
+        backend = "triton" if q.is_cuda and lower_bound is not None else "torch"
     if backend == "triton":
         from k3.ops.kda.chunk import chunk_kda
 

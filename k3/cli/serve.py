@@ -1,0 +1,111 @@
+"""`k3 serve`: the OpenAI-compatible server (FastAPI + uvicorn) on a checkpoint or a random preset."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="checkpoint directory (official layout + tokenizer files)")
+    src.add_argument("--preset", help="a preset with random weights (smoke tests; needs --tokenizer)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint directory)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id(s) clients send, comma-separated "
+                   "(default: the checkpoint directory name or the preset name)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed for --preset")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="cache memory for MLA pages, KDA slots and prefix checkpoints "
+                        "(default: 50%% of free GPU memory, 1024 MB on cpu)")
+    p.add_argument("--page-size", type=int, default=128, help="tokens per MLA page")
+    p.add_argument("--unit-size", type=int, default=512, help="prefix-cache hash unit in tokens")
+    p.add_argument("--checkpoint-every-units", type=int, default=8)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=1024)
+    p.add_argument("--prefill-budget", type=int, default=2048, help="prefill tokens per step for each of the "
+                   "short and the long class")
+    p.add_argument("--default-max-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU serving)")
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=run)
+
+
+def load_model(args: argparse.Namespace):
+    """(model, tokenizer, default model name) from --checkpoint or --preset."""
+    import torch
+
+    from k3.config import get_preset
+    from k3.data.tokenizer import load_tokenizer
+    from k3.model.causal_lm import K3ForCausalLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    tok_dir = args.tokenizer or args.checkpoint
+    if not tok_dir:
+        raise ValueError("--preset needs --tokenizer DIR (the chat format needs the special tokens)")
+    tokenizer = load_tokenizer(tok_dir)
+    if args.checkpoint:
+        model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=device)
+        name = os.path.basename(os.path.normpath(args.checkpoint))
+    else:
+        model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed)
+        model.to_dtype(dtype).to(device)
+        name = args.preset
+    return model, tokenizer, name
+
+
+def build(args: argparse.Namespace):
+    """(FastAPI app, engine) for the parsed arguments."""
+    import torch
+
+    from k3.serve.async_engine import AsyncEngine
+    from k3.serve.engine import Engine, EngineConfig
+    from k3.serve.server import ServerConfig, build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer, name = load_model(args)
+    device = model.lm_head.weight.device
+    if args.memory_budget_mb is not None:
+        budget = int(args.memory_budget_mb * (1 << 20))
+    elif device.type == "cuda":
+        budget = int(0.5 * torch.cuda.mem_get_info(device)[0])  # the rest: activations
+    else:
+        budget = 1 << 30
+    cfg = EngineConfig(memory_budget_bytes=budget, page_size=args.page_size, unit_size=args.unit_size,
+                       enable_prefix_cache=not args.no_prefix_cache, checkpoint_every_units=args.checkpoint_every_units,
+                       max_running=args.max_running, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
+                       short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget)
+    engine = Engine(model, tokenizer, cfg)
+    names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
+    app = build_app(AsyncEngine(engine), tokenizer, ServerConfig(model_names=names,
+                                                                 default_max_tokens=args.default_max_tokens))
+    return app, engine
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host}: the API has no authentication", file=sys.stderr)
+    try:
+        app, engine = build(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = app.state.k3.cfg.model_names
+    print(f"k3 serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 "
+          f"(cache {engine.pool.usable} blocks x {engine.layout.block_bytes} B, "
+          f"prefix cache {'on' if engine.prefix is not None else 'off'})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,350 @@
+"""Chunked KDA in Triton: forward/backward kernels behind one autograd.Function.
+
+Public entry point: `chunk_kda` (called by `k3.ops.kda.kda(..., backend="triton")`).
+
+Bounded gate.  The intra-chunk products exp(G_t - G_s) are factorised per 16-row sub-block
+around the block's middle (triton_common), which stays finite in fp32 / bf16 only when the
+per-step log-decay is bounded below.  Hence:
+  * in-kernel gate (A_log given): `lower_bound` in [-5, 0) is required (K3 form
+    g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) is in (lower_bound, 0) by construction);
+    the unbounded Kimi-Linear softplus gate raises ValueError;
+  * pre-computed g (A_log None): the caller must *declare* the bound by passing `lower_bound`
+    (a promise that g >= lower_bound everywhere; the kernels tolerate about twice that decay
+    before the factors overflow).  Without a declared bound this backend raises ValueError:
+    use the torch or reference backend for unbounded gates.
+
+Precision.  State, decay, the UT inverse and every dot operand are fp32 (tensor cores at tf32 or
+tf32x3, see `_precisions`; the factorised exponentials need fp32 range, so fp16 inputs are safe).
+Intermediates (W, U, qg, kg, P, per-chunk states, Vn, dVn) are stored in the input dtype, which
+bounds bf16 accuracy to ~0.5 % relative (fla's level).
+
+Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC (dot
+precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk widths),
+K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD}, K3_KDA_STAGES.
+Measured effects are in docs/kda_kernels.md.
+
+Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
+states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
+from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
+
+__all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
+
+CHUNK = 64
+_SUPPORTED_DIMS = (16, 32, 64, 128)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class ChunkMeta:
+    """Sequence/chunk bookkeeping shared by all kernels of one call (all int32, on device).
+
+    cu_seqlens [N + 1]; chunk_info [NC, 2] = (sequence, first token) per chunk;
+    chunk_offsets [N + 1] = index of each sequence's first chunk.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, lengths: list[int]):
+        self.cu_seqlens = cu_seqlens
+        self.N = len(lengths)
+        counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c)
+        self.NC = offs[-1]
+        dev = cu_seqlens.device
+        self.chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
+        cnt = torch.tensor(counts, dtype=torch.int64, device=dev)
+        seq = torch.repeat_interleave(torch.arange(self.N, device=dev), cnt, output_size=self.NC)
+        within = torch.arange(self.NC, device=dev) - self.chunk_offsets.long()[seq]
+        start = cu_seqlens.long()[seq] + within * CHUNK
+        self.chunk_info = torch.stack([seq, start], 1).to(torch.int32).contiguous()
+
+
+_META_CACHE: dict = {}
+
+
+def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkMeta:
+    """Build (or reuse) the chunk bookkeeping for a [B, T] batch or a packed varlen batch.
+
+    Cached by the sequence lengths, so repeated calls with the same layout launch no extra work
+    (a varlen call still reads cu_seqlens on the host once)."""
+    if cu_seqlens is None:
+        key = (str(device), (T,) * B)
+    else:
+        key = (str(device), tuple(int(x) for x in cu_seqlens.tolist()))
+    meta = _META_CACHE.get(key)
+    if meta is None:
+        if cu_seqlens is None:
+            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+            meta = ChunkMeta(cu, [T] * B)
+        else:
+            cs = key[1]
+            lengths = [b - a for a, b in zip(cs, cs[1:])]
+            meta = ChunkMeta(torch.tensor(cs, dtype=torch.int32, device=device), lengths)
+        if len(_META_CACHE) > 256:
+            _META_CACHE.clear()
+        _META_CACHE[key] = meta
+    return meta
+
+
+def _bv(V: int, programs_per_bv64: int) -> int:
+    """Value-block width of the sequential kernels: 64 when that fills the GPU, else narrower."""
+    forced = os.environ.get("K3_KDA_BV")
+    if forced:
+        return min(V, int(forced))
+    bv = min(V, 64)
+    while bv > 16 and programs_per_bv64 * (64 // bv) < 264:
+        bv //= 2
+    return bv
+
+
+def _tile(name: str, default: int, dim: int) -> int:
+    """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
+    return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
+
+
+def _warps(name: str, default: int) -> int:
+    return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
+
+
+def _stages(dtype: torch.dtype) -> int:
+    """Software-pipelining depth: 1 (fp32 operand tiles would not fit shared memory with more; the
+    sequential loops are latency-bound and gain nothing from deeper prefetch)."""
+    return int(os.environ.get("K3_KDA_STAGES", 1))
+
+
+def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
+    """(intra-chunk A/P precision, inverse precision, state-dot precision) of the fp32-operand dots.
+
+    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32 everywhere (its
+    10-bit mantissa is finer than the bf16 storage of the intermediates).  Measured on the H200
+    (B1 T2048 H4 D128 bf16 vs float64): tf32 gives gate-parameter gradients (dA_log, ddt_bias: sums
+    over every token) within ~1.6e-2 relative, tf32x3 for A/P and the inverse (env
+    K3_KDA_AP_PREC=tf32x3 K3_KDA_T_PREC=tf32x3) within ~5e-3 like fla, at 2.7x the forward time
+    (B1 T8192 H96)."""
+    if dtype == torch.float32:
+        return "tf32x3", "tf32x3", "tf32x3"
+    env = os.environ.get
+    return env("K3_KDA_AP_PREC", "tf32"), env("K3_KDA_T_PREC", "tf32"), env("K3_KDA_S_PREC", "tf32")
+
+
+def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
+         l2, bsig, output_final_state, training):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    TT = B * T
+    NC, N = meta.NC, meta.N
+    gate = A_log is not None
+    W = torch.empty(TT, H, K, device=dev, dtype=dt)
+    QG = torch.empty_like(W)
+    KG = torch.empty_like(W)
+    U = torch.empty(TT, H, V, device=dev, dtype=dt)
+    P = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    GL = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    Tm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32) if training else GL
+    ap, tp, sp = _precisions(dt)
+    dummy = GL
+    bv_intra = min(V, 64)
+    if NC > 0:
+        _kda_fwd_intra[(NC, H)](
+            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
+            W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
+            scale, float(lower_bound if lower_bound is not None else 0.0),
+            H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
+            STORE_T=training, AP_PREC=ap, T_PREC=tp,
+            num_warps=_warps("INTRA", 8 if K >= 128 else 4), num_stages=_stages(dt),
+        )
+    o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    Hs = torch.empty(NC, H, K, V, device=dev, dtype=dt) if training else None
+    VN = torch.empty(TT, H, V, device=dev, dtype=dt) if training else None
+    BV = _bv(V, N * H * max(V // 64, 1))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    _kda_fwd_state[(N * H, triton.cdiv(V, BV))](
+        W, U, P, QG, KG, GL, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        Hs if training else dummy, VN if training else dummy,
+        meta.cu_seqlens, meta.chunk_offsets,
+        H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
+        PREC=sp, num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+    )
+    saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
+    return o, ht, saved
+
+
+def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_bound, l2, bsig,
+         saved, do, dht, need_dh0):
+    W, P, QG, KG, GL, Tm, Hs, VN = saved
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    NC, N = meta.NC, meta.N
+    gate = A_log is not None
+    ap, tp, sp = _precisions(dt)
+    do = do.contiguous()
+    DH = torch.empty(NC, H, K, V, device=dev, dtype=dt)
+    DVN = torch.empty(B * T, H, V, device=dev, dtype=dt)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    BV = _bv(V, N * H * max(V // 64, 1))
+    dummy = GL
+    _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
+        P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
+        meta.cu_seqlens, meta.chunk_offsets,
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp,
+        num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+    )
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty_like(beta)
+    dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
+    ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
+    bk = _tile("BK_BWD", 16, K)
+    dk32 = torch.empty(B * T, H, K, device=dev, dtype=torch.float32) if (l2 and bk < K) else dummy
+    if NC > 0:
+        _kda_bwd_intra[(NC, H)](
+            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
+            Tm, Hs, DH, VN, DVN, do, o, dk32, dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+            meta.cu_seqlens, meta.chunk_info, scale,
+            float(lower_bound if lower_bound is not None else 0.0),
+            H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
+            AP_PREC=ap, T_PREC=tp, S_PREC=sp,
+            num_warps=_warps("BWD", 8 if K >= 128 else 4),
+            num_stages=_stages(dt),
+        )
+    else:
+        for t in (dq, dk, dv, dg, dbeta):
+            t.zero_()
+    dA_log = dA_part.sum(0).to(A_log.dtype) if gate else None
+    ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate else None
+    return dq, dk, dv, dg, dbeta, dA_log, ddt, (dh0 if need_dh0 else None)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """Autograd wrapper: forward saves the chunk intermediates, backward runs two kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale, lower_bound,
+                l2, bsig, output_final_state):
+        o, ht, saved = _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale,
+                            lower_bound, l2, bsig, output_final_state, training=True)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, o, *saved)
+        ctx.meta = meta
+        ctx.args = (scale, lower_bound, l2, bsig)
+        if ht is not None:
+            return o, ht
+        return o
+
+    @staticmethod
+    def backward(ctx, do, *rest):
+        q, k, v, g, beta, A_log, dt_bias, h0, o, *saved = ctx.saved_tensors
+        scale, lower_bound, l2, bsig = ctx.args
+        dht = rest[0] if rest else None
+        dq, dk, dv, dg, dbeta, dA_log, ddt, dh0 = _bwd(
+            q, k, v, g, beta, A_log, dt_bias, o, ctx.meta, scale, lower_bound, l2, bsig, saved, do, dht,
+            need_dh0=h0 is not None,
+        )
+        if dh0 is not None:
+            dh0 = dh0.to(h0.dtype)
+        return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None
+
+
+def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state):
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must all be [B, T, H, K]; got {list(q.shape)}, {list(k.shape)}, {list(g.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V]; got {list(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {list(beta.shape)}")
+    V = v.shape[-1]
+    if K not in _SUPPORTED_DIMS or V not in _SUPPORTED_DIMS:
+        raise ValueError(f"triton KDA supports head dims K, V in {_SUPPORTED_DIMS}; got K={K}, V={V}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among bf16/fp16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (g.is_floating_point() and beta.is_floating_point()):
+        raise ValueError("g and beta must be floating point")
+    if lower_bound is None:
+        if A_log is not None:
+            raise ValueError("triton KDA needs the bounded gate: pass lower_bound in [-5, 0) with A_log "
+                             "(the unbounded softplus gate is supported by the torch/reference backends)")
+        raise ValueError("triton KDA with a pre-computed g needs a declared lower_bound in [-5, 0) "
+                         "(a promise that g >= lower_bound); use the torch/reference backend otherwise")
+    if not -5.0 <= float(lower_bound) < 0.0:
+        raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    if A_log is not None:
+        if dt_bias is None:
+            raise ValueError("the in-kernel gate needs dt_bias together with A_log")
+        if A_log.shape != (H,):
+            raise ValueError(f"A_log must have shape [{H}], got {list(A_log.shape)}")
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"dt_bias must have {H * K} elements, got {dt_bias.numel()}")
+    elif dt_bias is not None:
+        raise ValueError("dt_bias given without A_log")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("triton KDA on CPU tensors needs TRITON_INTERPRET=1 (set before importing k3.ops.kda.chunk)")
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (chunk 64) with fused prologue; differentiable in every tensor input.
+
+    Args:
+        q, k: [B, T, H, K] bf16/fp16/fp32 (raw when `use_qk_l2norm_in_kernel`).
+        v: [B, T, H, V], same dtype as q.  K, V in {16, 32, 64, 128}.
+        g: [B, T, H, K] log-decay (>= lower_bound), or the raw gate input f when `A_log` is given.
+        beta: [B, T, H] (logits when `use_beta_sigmoid_in_kernel`).
+        scale: query scale, default K ** -0.5.
+        initial_state: [N, H, K, V] (any float dtype; used as fp32).
+        cu_seqlens: [N + 1] int32/int64 packed-sequence offsets (B must be 1).
+        A_log: [H], dt_bias: [H * K] or [H, K]: in-kernel gate g = lb * sigmoid(exp(A_log) (f + dt_bias)).
+        lower_bound: gate lower bound in [-5, 0) (required, see module docstring).
+    Returns:
+        o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
+    """
+    _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state)
+    B, T, H, K = q.shape
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    meta = chunk_meta(B, T, cu_seqlens, q.device)
+    if initial_state is not None and initial_state.shape != (meta.N, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [{meta.N}, {H}, {K}, {v.shape[-1]}]; got {list(initial_state.shape)}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if A_log is not None:
+        A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
+    l2, bsig = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        out = ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale,
+                                     lower_bound, l2, bsig, output_final_state)
+        if output_final_state:
+            return out[0], out[1]
+        return out, None
+    o, ht, _ = _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale, lower_bound,
+                    l2, bsig, output_final_state, training=False)
+    return o, ht

@@ -1,0 +1,139 @@
+"""Triton building blocks shared by the chunked KDA kernels (forward, backward).
+
+Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
+  * chunk size 64 = 4 sub-blocks of 16 rows; the key dimension is processed in column chunks of
+    BK (decay, cumulative decay and the factorised exponentials are per channel, so key chunks are
+    independent; only the L2 norm needs whole rows: a pre-pass);
+  * token-major tensors [T_total, H, D] are addressed with block pointers whose row count is the
+    number of tokens left in the sequence, so rows past its end read as zero and are never written;
+  * G is the within-chunk inclusive cumulative log-decay, built as G = r_blk + cumsum_in_block(g);
+  * mid[i] = G at row 16 i + 7 (the middle of sub-block i) is the reference of the factorised
+    exponentials  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s)  for row block i.  With a
+    per-step log-decay >= -5 both factors stay within exp(+-40) for s, t inside block i, and for
+    s in an earlier block the column factor is <= 1, so every intra-chunk product is one dot.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def _has_block_ptr() -> bool:
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
+# Block pointers (Triton <= 3.6, e.g. the GPU image) keep no per-element address registers, which
+# the sequential kernels need; newer Triton removed them, so there (CPU interpreter in CI) tiles
+# are addressed with plain pointer arithmetic and masks.  Both paths compute the same tiles.
+USE_BLOCK_PTR = tl.constexpr(_has_block_ptr())
+
+
+@triton.jit
+def _ld(ptr, row64, nr, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """[64, BD] tile (storage dtype) of one chunk of a [T, H, D] tensor: rows = tokens of the chunk
+    (row64 = first_token * H + head, int64), cols [col0, col0 + BD); rows >= nr (past the sequence
+    end) read as zero."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + row64 * D, (nr, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+        return tl.load(p, boundary_check=(0,), padding_option="zero")
+    else:
+        o_t = tl.arange(0, 64)
+        offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
+        return tl.load(ptr + row64 * D + offs, mask=(o_t < nr)[:, None], other=0.0)
+
+
+@triton.jit
+def _st(ptr, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Store a [64, BD] chunk tile (rows >= nr are not written)."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + row64 * D, (nr, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+        tl.store(p, x.to(ptr.dtype.element_ty), boundary_check=(0,))
+    else:
+        o_t = tl.arange(0, 64)
+        offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
+        tl.store(ptr + row64 * D + offs, x.to(ptr.dtype.element_ty), mask=(o_t < nr)[:, None])
+
+
+@triton.jit
+def _ld_state(ptr, base64, r0, c0, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """[BK, BV] tile at (r0, c0) of the row-major [K, V] state starting at element base64."""
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + base64, (r0 + BK, V), (V, 1), (r0, c0), (BK, BV), (1, 0))
+        return tl.load(p)
+    else:
+        offs = (r0 + tl.arange(0, BK))[:, None] * V + c0 + tl.arange(0, BV)[None, :]
+        return tl.load(ptr + base64 + offs)
+
+
+@triton.jit
+def _st_state(ptr, base64, r0, c0, x, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    if USE_BLOCK_PTR:
+        p = tl.make_block_ptr(ptr + base64, (r0 + BK, V), (V, 1), (r0, c0), (BK, BV), (1, 0))
+        tl.store(p, x.to(ptr.dtype.element_ty))
+    else:
+        offs = (r0 + tl.arange(0, BK))[:, None] * V + c0 + tl.arange(0, BV)[None, :]
+        tl.store(ptr + base64 + offs, x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _beta(beta, row64, m_t, H: tl.constexpr, BSIG: tl.constexpr):
+    """beta for the 64 rows of a chunk (fp32, 0 past the end), sigmoid applied when BSIG."""
+    b = tl.load(beta + row64 + tl.arange(0, 64).to(tl.int64) * H, mask=m_t, other=0.0).to(tl.float32)
+    if BSIG:
+        b = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+    return b
+
+
+@triton.jit
+def _rnorms(q, k, row64, nr, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr):
+    """1 / ||x|| (eps 1e-6 inside the sqrt) of the q and k rows, or ones without L2."""
+    if L2:
+        sq = tl.zeros([64], dtype=tl.float32)
+        sk = tl.zeros([64], dtype=tl.float32)
+        for kc in range(K // BK):
+            bq = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+            bk = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+            sq += tl.sum(bq * bq, axis=1)
+            sk += tl.sum(bk * bk, axis=1)
+        return tl.rsqrt(sq + 1e-6), tl.rsqrt(sk + 1e-6)
+    else:
+        return tl.full([64], 1.0, tl.float32), tl.full([64], 1.0, tl.float32)
+
+
+@triton.jit
+def _gate(graw, A_log, dt_bias, i_h, col0, m_t, lower_bound, K: tl.constexpr, BK: tl.constexpr,
+          GATE: tl.constexpr):
+    """Log-decay chunk [64, BK] from the loaded g (raw f when GATE), 0 on rows past the end."""
+    if GATE:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * K + col0 + tl.arange(0, BK)).to(tl.float32)
+        return tl.where(m_t[:, None], lower_bound / (1.0 + tl.exp(-a * (graw + bias[None, :]))), 0.0)
+    else:
+        return graw
+
+
+@triton.jit
+def _cumdecay(b_g, BK: tl.constexpr):
+    """Within-chunk cumulative decay.  Returns G3 [4,16,BK], G [64,BK], mid [4,BK], gl [BK] (= G row 63)."""
+    g3 = tl.reshape(b_g, (4, 16, BK))
+    c3 = tl.cumsum(g3, axis=1)
+    bs = tl.sum(g3, axis=1)
+    r = tl.cumsum(bs, axis=0) - bs
+    G3 = r[:, None, :] + c3
+    o16 = tl.arange(0, 16)
+    mid = tl.sum(tl.where((o16 == 7)[None, :, None], G3, 0.0), axis=1)
+    G = tl.reshape(G3, (64, BK))
+    gl = tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), axis=0)
+    return G3, G, mid, gl
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """Tensor-core dot with fp32 operands at precision PREC ("tf32" / "tf32x3"), fp32 accumulation.
+
+    Operands loaded in bf16/fp16 are widened first: on Triton 3.6 / H200 the half-operand variant
+    of these kernels produced wrong results or illegal addresses (docs/kda_kernels.md), and the
+    CPU interpreter's half-precision dot is unusable, so fp32 operands are the one path."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)

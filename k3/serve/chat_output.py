@@ -1,0 +1,192 @@
+"""Turn engine outputs into OpenAI chat / completion payloads (non-streaming and SSE chunks).
+
+Chat output is parsed on token ids by `k3.chat.StreamingParser` (structure = special ids only).
+Reasoning is emitted under both `reasoning_content` (Kimi) and `reasoning` (vLLM); tool calls
+are emitted once complete, with server-generated ids `call_<24 hex>`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from k3.chat import StreamingParser
+from k3.serve.engine import RequestOutput
+
+
+def new_tool_call_id(index: int, name: str) -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token_str(tok: Any, tid: int) -> tuple[str, list[int]]:
+    b = tok.token_bytes(tid)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def chat_logprobs(tok: Any, ids: list[int], lps: list[tuple[float | None, list | None]]) -> list[dict]:
+    out = []
+    for tid, (lp, top) in zip(ids, lps):
+        s, b = _token_str(tok, tid)
+        entry = {"token": s, "logprob": lp, "bytes": b, "top_logprobs": []}
+        for t, v in top or []:
+            ts, tb = _token_str(tok, t)
+            entry["top_logprobs"].append({"token": ts, "logprob": v, "bytes": tb})
+        out.append(entry)
+    return out
+
+
+class ChatAssembler:
+    """Feeds output tokens to the parser; builds deltas, chunks and the final message."""
+
+    def __init__(self, tokenizer: Any, *, model: str, thinking: bool, forced_prefix: list[int], want_logprobs: bool,
+                 close_ids: list[int] = ()) -> None:
+        """forced_prefix: prompt tokens that already opened a tool call (named tool_choice); close_ids:
+        tokens that close it, fed at the end if the model did not, so the forced call is always emitted."""
+        self.tok, self.model = tokenizer, model
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.parser = StreamingParser(tokenizer, start="think" if thinking else "response",
+                                      tool_call_id=new_tool_call_id)
+        if forced_prefix:
+            self.parser.feed_ids(forced_prefix)  # named tool choice: the call header is part of the prompt
+        self.want_logprobs = want_logprobs
+        self.logprobs: list[dict] = []
+        self.close_ids = list(close_ids)
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    # ---- shared --------------------------------------------------------------------------------------
+    def _deltas(self, out: RequestOutput) -> list[dict]:
+        events = self.parser.feed_ids(out.new_token_ids)
+        if out.finished:
+            if self.close_ids and not self.parser.result()["tool_calls"] and not self.parser.done:
+                events += self.parser.feed_ids(self.close_ids)
+            events += self.parser.finish()
+            self.usage = usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
+            self.finish_reason = self._finish_reason(out.finish_reason)
+        deltas: list[dict] = []
+        for ev in events:
+            if ev.kind == "reasoning":
+                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
+            elif ev.kind == "content":
+                deltas.append({"content": ev.text})
+            else:
+                call = ev.tool_call
+                fn = call["function"]
+                deltas.append({"tool_calls": [{"index": call["index"], "id": call["id"], "type": "function",
+                                               "function": {"name": fn["name"], "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": call["index"], "function": {"arguments": fn["arguments"]}}]})
+        return deltas
+
+    def _finish_reason(self, reason: str | None) -> str:
+        if reason == "length":
+            return "length"
+        return "tool_calls" if self.parser.result()["tool_calls"] else "stop"
+
+    # ---- streaming -----------------------------------------------------------------------------------
+    def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                             "logprobs": {"content": logprobs} if logprobs is not None else None}]}
+
+    def first_chunk(self) -> dict:
+        return self.chunk({"role": "assistant", "content": ""})
+
+    def stream_chunks(self, out: RequestOutput) -> list[dict]:
+        deltas = self._deltas(out)
+        lp = chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs) if self.want_logprobs else None
+        chunks = [self.chunk(d) for d in deltas]
+        if lp:
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = {"content": lp}
+            else:
+                chunks.append(self.chunk({}, logprobs=lp))
+        if out.finished:
+            chunks.append(self.chunk({}, self.finish_reason))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage}
+
+    # ---- non-streaming -------------------------------------------------------------------------------
+    def add(self, out: RequestOutput) -> None:
+        self._deltas(out)
+        if self.want_logprobs:
+            self.logprobs += chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs)
+
+    def response(self) -> dict:
+        r = self.parser.result()
+        content = r["content"] if r["content"] or not r["tool_calls"] else None  # null beside tool calls
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": r["reasoning_content"],
+                               "reasoning": r["reasoning_content"]}
+        if r["tool_calls"]:
+            msg["tool_calls"] = r["tool_calls"]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": msg, "finish_reason": self.finish_reason,
+                             "logprobs": {"content": self.logprobs} if self.want_logprobs else None}],
+                "usage": self.usage}
+
+
+class CompletionAssembler:
+    """Plain-text completions (/v1/completions)."""
+
+    def __init__(self, tokenizer: Any, *, model: str, logprobs: int | None) -> None:
+        self.tok, self.model, self.want = tokenizer, model, logprobs
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = ""
+        self.lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def _lp(self, out: RequestOutput, offset: int) -> dict:
+        lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, (v, top) in zip(out.new_token_ids, out.new_logprobs):
+            s, _ = _token_str(self.tok, tid)
+            lp["tokens"].append(s)
+            lp["token_logprobs"].append(v)
+            lp["top_logprobs"].append({_token_str(self.tok, t)[0]: x for t, x in top or []})
+            lp["text_offset"].append(offset)
+            offset += len(s)
+        return lp
+
+    def add(self, out: RequestOutput) -> dict | None:
+        """Record an output; returns its logprobs block (or None)."""
+        lp = self._lp(out, len(self.text)) if self.want is not None else None
+        if lp:
+            for k in self.lp:
+                self.lp[k] += lp[k]
+        self.text += out.new_text
+        if out.finished:
+            self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            self.usage = usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
+        return lp
+
+    def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def stream_chunks(self, out: RequestOutput) -> list[dict]:
+        lp = self.add(out)
+        chunks = []
+        if out.new_text or lp:
+            chunks.append(self.chunk(out.new_text, None, lp))
+        if out.finished:
+            chunks.append(self.chunk("", self.finish_reason, None))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage}
+
+    def response(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": self.text, "logprobs": self.lp if self.want is not None else None,
+                             "finish_reason": self.finish_reason}], "usage": self.usage}

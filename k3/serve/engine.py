@@ -1,0 +1,396 @@
+"""The serving engine: drivable from Python (submit, step, stream, pause/resume, abort).
+
+    engine = Engine(model, tokenizer, EngineConfig(memory_budget_bytes=2 << 30))
+    rid = engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step():       # RequestOutput per request that produced tokens or finished
+            ...
+
+Each step runs at most one packed prefill forward (chunks of several requests, within the long and
+short token budgets) and one batched decode forward ([N, 1] rows). `generate()` is the blocking
+convenience wrapper. The HTTP server drives the same object from a background thread
+(`k3.serve.async_engine`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
+from k3.serve.metrics import EngineMetrics
+from k3.serve.prefix_cache import PrefixCache, PrefixHasher
+from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
+from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
+
+
+@dataclass
+class EngineConfig:
+    """memory_budget_bytes: the one budget for MLA pages, KDA slots and prefix-cache checkpoints.
+    page_size: tokens per MLA page (= bytes of one pool block). unit_size: prefix hash unit (tokens).
+    checkpoint_every_units: also checkpoint every N units of a long prompt (0 = off).
+    checkpoint_at_message_ends: checkpoint after every `<|end_of_msg|>` of the prompt (turn boundaries).
+    max_running: concurrent requests (each holds one KDA slot); max_long_running: of them, long ones.
+    long_prompt_threshold: prompts longer than this use the long prefill budget.
+    short/long_prefill_budget: prefill tokens per step for each class (leftovers are shared).
+    max_model_len: context limit (default: the config's max_position_embeddings).
+    """
+
+    memory_budget_bytes: int = 1 << 30
+    page_size: int = 128
+    unit_size: int = 512
+    enable_prefix_cache: bool = True
+    checkpoint_every_units: int = 8
+    checkpoint_at_message_ends: bool = True
+    max_checkpoints_per_request: int = 8
+    checkpoint_min_gap: int = 16
+    max_running: int = 64
+    max_long_running: int | None = None
+    long_prompt_threshold: int = 4096
+    short_prefill_budget: int = 2048
+    long_prefill_budget: int = 2048
+    max_model_len: int | None = None
+    max_waiting: int = 4096
+    kda_backend: str | None = None
+    flush_denormal: bool = True
+
+    def validate(self) -> "EngineConfig":
+        for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
+                     "long_prefill_budget", "max_waiting", "long_prompt_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
+        return self
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request.
+
+    new_token_ids / new_text / new_logprobs: released since the last output (stop ids are in the
+    ids, never in the text). new_logprobs: per new token (logprob, [(id, logprob)] top) or None.
+    finish_reason: None while running; "stop" | "length" | "abort" | "error".
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[tuple[float | None, list | None]]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class FinalOutput:
+    """All of a finished request (what `Engine.generate` returns)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def pick_kda_backend(device: torch.device) -> str:
+    """Fastest KDA backend present in this checkout for `device`."""
+    have = lambda m: importlib.util.find_spec(m) is not None  # noqa: E731
+    if device.type == "cuda" and have("k3.ops.kda.chunk") and have("triton"):
+        return "triton"
+    if have("k3.ops.kda.chunk_torch"):
+        return "torch"
+    return "reference"
+
+
+class Engine:
+    def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None, *,
+                 eos_id: int | None = None) -> None:
+        self.config = cfg = (config or EngineConfig()).validate()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        tc = model.config.text_config
+        p = model.lm_head.weight
+        self.device, self.dtype = p.device, p.dtype
+        if cfg.flush_denormal and self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # KDA decays produce denormals, ~10x slower on CPU
+        model.set_kda_backend(cfg.kda_backend or pick_kda_backend(self.device))
+        self.max_model_len = cfg.max_model_len or tc.max_position_embeddings
+        self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
+        self.vocab_limit = min(tc.vocab_size, tokenizer.vocab_size) if tokenizer is not None else tc.vocab_size
+        self.layout = CacheLayout.from_config(tc, cfg.page_size, self.dtype)
+        self.pool = BlockPool(self.layout, BlockPool.blocks_for_budget(self.layout, cfg.memory_budget_bytes),
+                              self.device)
+        if self.pool.usable < self.layout.slot_blocks + 1:
+            raise ValueError(f"memory_budget_bytes={cfg.memory_budget_bytes} holds {self.pool.usable} blocks; one "
+                             f"request needs at least {self.layout.slot_blocks + 1}")
+        self.prefix = PrefixCache(self.pool, cfg.unit_size) if cfg.enable_prefix_cache else None
+        sc = SchedulerConfig(
+            max_running=cfg.max_running, max_long_running=cfg.max_long_running or max(1, cfg.max_running // 2),
+            long_prompt_threshold=cfg.long_prompt_threshold, short_prefill_budget=cfg.short_prefill_budget,
+            long_prefill_budget=cfg.long_prefill_budget, unit_size=cfg.unit_size,
+            checkpoint_every_units=cfg.checkpoint_every_units,
+            checkpoint_boundary_id=self.eos_id if cfg.checkpoint_at_message_ends else None,
+            max_checkpoints_per_request=cfg.max_checkpoints_per_request, checkpoint_min_gap=cfg.checkpoint_min_gap,
+        )
+        self.scheduler = Scheduler(sc, self.pool, self.prefix)
+        self.requests: dict[str, Request] = {}
+        self.metrics = EngineMetrics()
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def max_tokens_limit(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may generate (context and memory limits)."""
+        by_ctx = self.max_model_len - prompt_len
+        by_mem = (self.pool.usable - self.layout.slot_blocks) * self.layout.page_size - prompt_len
+        return min(by_ctx, by_mem)
+
+    def check_request(self, prompt_len: int, max_tokens: int) -> None:
+        """ValueError (mentioning the context limit) when the request can never run."""
+        if prompt_len < 1:
+            raise ValueError("the prompt must contain at least one token")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; this model's maximum context length is "
+                             f"{self.max_model_len} tokens")
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the maximum context "
+                             f"length of {self.max_model_len} tokens")
+        if max_tokens > self.max_tokens_limit(prompt_len):
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) does not fit in the server's "
+                             "cache memory; the maximum context length here is "
+                             f"{self.max_tokens_limit(0)} tokens")
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, checkpoint_positions: Sequence[int] = ()) -> str:
+        """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint."""
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt_ids]
+        if any(not 0 <= t < self.vocab_limit for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_limit})")
+        self.check_request(len(ids), params.max_tokens)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request(
+            request_id=rid, tokens=ids, params=params, arrival=time.time(), rng=make_rng(params),
+            detok=Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else _NullDetok(),
+            long=len(ids) > self.config.long_prompt_threshold, max_sampled=params.max_tokens,
+            extra_checkpoints=tuple(int(p) for p in checkpoint_positions),
+        )
+        req.hasher = PrefixHasher(req.tokens, self.config.unit_size)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.metrics.requests_added += 1
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request and free its cache. False when it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.status, req.finish_reason = "finished", "abort"
+        self.metrics.on_finish(req)
+        return True
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a request; it keeps its cache (unless memory pressure preempts it)."""
+        self._get(request_id).paused = True
+
+    def resume(self, request_id: str, append_ids: Sequence[int] = (), max_tokens: int | None = None) -> None:
+        """Continue a paused request, optionally after appending context tokens (e.g. a tool result);
+        max_tokens: new budget of tokens to sample from now on."""
+        req = self._get(request_id)
+        ids = [int(t) for t in append_ids]
+        if any(not 0 <= t < self.vocab_limit for t in ids):
+            raise ValueError(f"append_ids must be in [0, {self.vocab_limit})")
+        extra = max_tokens if max_tokens is not None else req.max_sampled - len(req.out_ids)
+        if len(req.tokens) + len(ids) + extra > self.max_model_len:
+            raise ValueError(f"resume would exceed the maximum context length of {self.max_model_len} tokens")
+        req.tokens.extend(ids)
+        if max_tokens is not None:
+            req.max_sampled = len(req.out_ids) + max_tokens
+        req.paused = False
+
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown or finished request {request_id!r}")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- stepping ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        touched: list[Request] = []
+        if plan.prefill:
+            touched += self._run(plan.prefill, decode=False)
+        if plan.decode:
+            touched += self._run([(r, 1) for r in plan.decode], decode=True)
+        self.metrics.steps += 1
+        return [o for o in (self._output(r) for r in touched) if o is not None]
+
+    def _run(self, batch: list[tuple[Request, int]], *, decode: bool) -> list[Request]:
+        reqs = [r for r, _ in batch]
+        try:
+            logits_rows = self._forward(batch, decode=decode)
+        except Exception as e:  # a failed forward fails its requests, never the engine
+            for r in reqs:
+                self._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+            return reqs
+        sample_reqs = [r for r in reqs if r.pending == 0]
+        for r, n in batch:
+            if not decode and self.prefix is not None and r.num_computed in r.plan.positions:
+                self.scheduler.save_checkpoint(r)
+        if sample_reqs:
+            logits = logits_rows[[reqs.index(r) for r in sample_reqs]]
+            res = sample_batch(logits, [r.params for r in sample_reqs], [r.rng for r in sample_reqs], self.vocab_limit)
+            for i, r in enumerate(sample_reqs):
+                self._on_token(r, res.token_ids[i], res.logprobs[i], res.top[i])
+        return reqs
+
+    def _forward(self, batch: list[tuple[Request, int]], *, decode: bool) -> torch.Tensor:
+        """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
+        reqs = [r for r, _ in batch]
+        ns = [n for _, n in batch]
+        cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
+                                [r.num_computed for r in reqs], ns, absorb_mla=decode)
+        if decode:
+            ids = torch.tensor([[r.tokens[r.num_computed]] for r in reqs], device=self.device)
+            h, _ = self.model.model(ids, cache=cache)
+            last = h[:, -1]
+        else:
+            flat = [t for r, n in batch for t in r.tokens[r.num_computed: r.num_computed + n]]
+            ids = torch.tensor(flat, device=self.device)[None]
+            cu = torch.tensor([0] + ns, device=self.device).cumsum(0)
+            h, _ = self.model.model(ids, cu_seqlens=cu, cache=cache)
+            last = h[0, cu[1:] - 1]
+        cache.commit()
+        for r, n in batch:
+            # prompt tokens computed here (the last one usually runs in a decode batch)
+            self.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
+            r.num_computed += n
+        return self.model.lm_head(last)
+
+    def _on_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> None:
+        now = time.time()
+        req.tokens.append(tok)
+        req.out_ids.append(tok)
+        req.out_logprobs.append((lp, top))
+        self.metrics.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.observe_ttft(now - req.arrival)
+        p = req.params
+        if (not p.ignore_eos and tok == self.eos_id) or tok in p.stop_token_ids:
+            req.stop_id_hit = True
+            self._finish(req, "stop")
+        elif req.detok.add(tok):
+            self._finish(req, "stop")
+        elif len(req.out_ids) >= req.max_sampled or len(req.tokens) >= self.max_model_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str, *, donate: bool = True, error: str | None = None) -> None:
+        req.status, req.finish_reason, req.finish_time = "finished", reason, time.time()
+        req.error = error
+        self.scheduler.release(req, donate=donate)
+        self.metrics.on_finish(req)
+
+    def _output(self, req: Request) -> RequestOutput | None:
+        final = req.status == "finished"
+        ids, text = req.detok.release(final)
+        n0 = req.emitted
+        n1 = n0 + len(ids) + (1 if final and req.stop_id_hit else 0)
+        n1 = min(n1, len(req.out_ids))
+        if n1 == n0 and not final:
+            return None
+        req.emitted = n1
+        if final:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=req.out_ids[n0:n1], new_text=text,
+            new_logprobs=req.out_logprobs[n0:n1], finished=final, finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens or 0, output_tokens=len(req.out_ids),
+            arrival_time=req.arrival, first_token_time=req.first_token_time, finish_time=req.finish_time,
+            error=req.error,
+        )
+
+    # ---- convenience ---------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 max_steps: int = 1_000_000) -> list[FinalOutput]:
+        """Run prompts to completion (together with anything already queued); results in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        results = {rid: FinalOutput(rid) for rid in ids}
+        for _ in range(max_steps):
+            if not any(rid in self.requests for rid in ids):
+                break
+            for out in self.step():
+                f = results.get(out.request_id)
+                if f is None:
+                    continue
+                f.token_ids += out.new_token_ids
+                f.text += out.new_text
+                f.logprobs += out.new_logprobs
+                f.prompt_tokens, f.cached_tokens = out.prompt_tokens, out.cached_tokens
+                if out.finished:
+                    f.finish_reason = out.finish_reason
+        else:
+            raise RuntimeError(f"generate did not finish within {max_steps} steps")
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, Any]:
+        """Gauges and counters for /metrics and tests."""
+        s = self.metrics.snapshot()
+        s.update(running=self.num_running, waiting=self.num_waiting, blocks_total=self.pool.usable,
+                 blocks_free=self.pool.num_free, preemptions=self.scheduler.num_preemptions)
+        if self.prefix is not None:
+            ps = self.prefix.stats
+            s.update(prefix_checkpoints=len(self.prefix), prefix_queries=ps.queries, prefix_hits=ps.hits,
+                     prefix_query_tokens=ps.query_tokens, prefix_hit_tokens=ps.hit_tokens,
+                     prefix_saved=ps.saved, prefix_evicted=ps.evicted,
+                     prefix_token_hit_rate=ps.hit_tokens / ps.query_tokens if ps.query_tokens else 0.0)
+        return s
+
+
+class _NullDetok:
+    """Detokenizer stand-in without a tokenizer: ids only, no text, no stop strings."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.released = 0
+
+    def add(self, token_id: int) -> bool:
+        self.ids.append(token_id)
+        return False
+
+    def release(self, final: bool) -> tuple[list[int], str]:
+        out = self.ids[self.released:]
+        self.released = len(self.ids)
+        return out, ""

@@ -1,0 +1,197 @@
+"""Per-request sampling parameters, the batched sampler and incremental detokenisation with stop strings.
+
+Sampling is reproducible per request: a seeded request draws its uniforms from its own
+`random.Random(seed)`, one number per sampled token, so its output does not depend on which
+other requests share the batch. Log-probabilities are those of the model (log-softmax of the raw
+logits over the allowed vocabulary), not of the temperature/top-p processed distribution.
+"""
+
+from __future__ import annotations
+
+import codecs
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off; max_tokens >= 1.
+
+    stop: strings that end generation (excluded from the returned text); stop_token_ids: ids that
+    end generation (kept in token_ids, excluded from text); the tokenizer's stop id is added unless
+    ignore_eos. logprobs: None = off, n >= 0 = the chosen token's logprob plus the top n.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "max_tokens", "seed", "logprobs"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got a boolean")
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must hold non-empty strings")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_rng(params: SamplingParams) -> random.Random:
+    """The request's private uniform source (seeded requests are reproducible)."""
+    return random.Random(params.seed) if params.seed is not None else random.Random()
+
+
+@dataclass
+class SampleResult:
+    """token_ids [N]; logprob [N] (chosen token, None rows when not asked); top [N] lists of (id, lp)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
+                 vocab_limit: int | None = None) -> SampleResult:
+    """logits [N, vocab] (any float dtype) -> one token per row, rows sampled with their own params.
+
+    vocab_limit: ids >= vocab_limit are never sampled (the tokenizer may be smaller than the model).
+    """
+    n = logits.shape[0]
+    logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, vocab_limit:] = float("-inf")
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, device=logits.device)
+        out[g] = logits[g].argmax(-1)
+    if sampled:
+        s = torch.tensor(sampled, device=logits.device)
+        out[s] = _sample_rows(logits[s], [params[i] for i in sampled], [rngs[i] for i in sampled])
+    ids = out.tolist()
+    lps: list[float | None] = [None] * n
+    tops: list[list[tuple[int, float]] | None] = [None] * n
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        w = torch.tensor(want, device=logits.device)
+        lsm = torch.log_softmax(logits[w], dim=-1)
+        chosen = lsm.gather(-1, out[w, None]).squeeze(-1).tolist()
+        kmax = max(params[i].logprobs for i in want)
+        top_v, top_i = (lsm.topk(kmax, dim=-1) if kmax else (lsm[:, :0], lsm[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for r, i in enumerate(want):
+            k = params[i].logprobs
+            lps[i] = chosen[r]
+            tops[i] = list(zip(top_i[r][:k], top_v[r][:k]))
+    return SampleResult(ids, lps, tops)
+
+
+def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then inverse-CDF sampling with one uniform per row. [M, V] -> [M]."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    rank = torch.arange(probs.shape[-1], device=dev)[None, :]
+    top_k = torch.tensor([p.top_k or probs.shape[-1] for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
+    # keep the smallest prefix whose mass reaches top_p (always at least the best token)
+    drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) >= top_p[:, None])
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([r.random() for r in rngs], device=dev, dtype=torch.float32)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    # guard against rounding at the top end and never pick a dropped (zero-probability) slot
+    last_kept = (probs > 0).long().cumsum(-1).argmax(-1)
+    pick = torch.minimum(pick, last_kept)
+    return order.gather(-1, pick[:, None]).squeeze(-1)
+
+
+@dataclass
+class Detokenizer:
+    """Incremental detokenisation of one request's output with stop strings.
+
+    Text is the UTF-8 decoding of the tokens' bytes (special tokens as their names). Tokens are
+    released in order once no stop string can still start inside their text; when a stop string
+    matches, the output ends at the last token that lies wholly before it and `text` is cut
+    exactly at the match.
+    """
+
+    tokenizer: Any
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    char_end: list[int] = field(default_factory=list)  # len(text) after each token
+    released: int = 0
+    stopped_at: int | None = None  # character index of a stop-string match
+
+    def __post_init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._searched = 0
+
+    def add(self, token_id: int) -> bool:
+        """Append one token; returns True when a stop string matched."""
+        self.ids.append(token_id)
+        self.text += self._dec.decode(self.tokenizer.token_bytes(token_id))
+        self.char_end.append(len(self.text))
+        if self.stop:
+            start = max(0, self._searched - self._hold)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            self._searched = len(self.text)
+            if hits:
+                self.stopped_at = min(hits)
+                self.text = self.text[: self.stopped_at]
+                return True
+        return False
+
+    def release(self, final: bool) -> tuple[list[int], str]:
+        """Newly releasable (token ids, text); with final, everything that remains."""
+        start_tok = self.released
+        start_chr = self.char_end[start_tok - 1] if start_tok else 0
+        if self.stopped_at is not None:
+            upto = sum(1 for e in self.char_end if e <= self.stopped_at)
+            end_chr = self.stopped_at
+        elif final:
+            self.text += self._dec.decode(b"", final=True)
+            upto, end_chr = len(self.ids), len(self.text)
+        else:
+            safe = len(self.text) - self._hold
+            upto = start_tok
+            while upto < len(self.ids) and self.char_end[upto] <= safe:
+                upto += 1
+            end_chr = self.char_end[upto - 1] if upto else 0
+        upto = max(upto, start_tok)
+        end_chr = max(end_chr, start_chr)
+        self.released = upto
+        return self.ids[start_tok:upto], self.text[start_chr:end_chr]

@@ -1,0 +1,279 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. Bodies are parsed and validated by hand (k3.serve.openai_types) so every malformed
+request gets an OpenAI-shaped JSON error with a 4xx status; a client that disconnects has its
+request aborted, which frees its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from k3.chat import ChatFormatError, render_segments
+from k3.chat.xtml import SegmentBuilder
+from k3.serve.async_engine import AsyncEngine, Overloaded
+from k3.serve.chat_output import ChatAssembler, CompletionAssembler
+from k3.serve.metrics import prometheus_text
+from k3.serve.openai_types import APIError, ChatRequest, CommonParams, parse_chat, parse_completion
+
+log = logging.getLogger("k3.serve")
+
+
+@dataclass
+class ServerConfig:
+    """model_names: ids accepted in `model` (the first is listed first); default_max_tokens: used when
+    a request gives none (capped by the context left); max_body_bytes: larger bodies get 413."""
+
+    model_names: tuple[str, ...] = ("k3",)
+    default_max_tokens: int = 4096
+    max_body_bytes: int = 16 << 20
+    disconnect_poll_s: float = 0.2
+
+
+class _State:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, cfg: ServerConfig) -> None:
+        self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.http_requests: dict[str, int] = {}
+        # no single token is longer than this many bytes: a cheap upper bound on prompt length
+        self.max_token_bytes = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.base_size)) or 1
+
+    def count(self, key: str) -> None:
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
+
+
+def build_app(engine: AsyncEngine, tokenizer: Any, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
+    from contextlib import asynccontextmanager
+
+    cfg = config or ServerConfig()
+    st = _State(engine, tokenizer, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="k3 serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.k3 = st
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        st.count(f"status_{exc.status_code}")
+        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        st.count("status_500")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = engine.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "k3",
+                                            "max_model_len": engine.engine.max_model_len} for n in cfg.model_names]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        stats = engine.engine.stats()
+        extra = {f"http_{k}": v for k, v in st.http_requests.items()}
+        extra["http_aborted_requests"] = engine.aborted
+        return PlainTextResponse(prometheus_text(stats, extra), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _handle(st, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(st, request, chat=False)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------------ handlers
+
+
+async def _read_json(st: _State, request: Request) -> Any:
+    chunks, size = [], 0
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > st.cfg.max_body_bytes:
+                raise APIError(413, f"request body larger than {st.cfg.max_body_bytes} bytes", code="body_too_large")
+            chunks.append(part)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected") from None
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+
+
+async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
+    try:
+        body = await _read_json(st, request)
+        vocab = st.engine.engine.vocab_limit
+        req = parse_chat(body, vocab) if chat else parse_completion(body, vocab)
+        common: CommonParams = req.common
+        if common.model not in st.cfg.model_names:
+            raise APIError(404, f"model {common.model!r} not found; available: {', '.join(st.cfg.model_names)}",
+                           param="model", code="model_not_found")
+        prompt, forced, close = await asyncio.to_thread(_tokenize, st, req, chat)
+        max_tokens = _max_tokens(st, common, len(prompt))
+        params = common.sampling(max_tokens, req.logprobs)
+        stream = st.engine.submit(prompt, params)
+    except APIError as e:
+        st.count(f"status_{e.status}")
+        return JSONResponse(e.body(), status_code=e.status)
+    except Overloaded as e:
+        st.count("status_503")
+        return JSONResponse(APIError(503, f"server overloaded: {e}", code="overloaded").body(), status_code=503)
+    except ValueError as e:
+        st.count("status_400")
+        return JSONResponse(APIError(400, str(e), code="invalid_value").body(), status_code=400)
+    st.count("status_200")
+    model = common.model
+    if chat:
+        asm: Any = ChatAssembler(st.tok, model=model, thinking=req.thinking, forced_prefix=forced,
+                                 want_logprobs=req.logprobs is not None, close_ids=close)
+    else:
+        asm = CompletionAssembler(st.tok, model=model, logprobs=req.logprobs)
+    if common.stream:
+        return StreamingResponse(_sse(asm, stream, common.include_usage, chat), media_type="text/event-stream",
+                                 headers={"x-request-id": stream.request_id, "cache-control": "no-cache"})
+    return await _collect(st, request, asm, stream)
+
+
+def _tokenize(st: _State, req: Any, chat: bool) -> tuple[list[int], list[int], list[int]]:
+    """-> (prompt ids including any forced prefix, the forced prefix, ids closing it). APIError(400)."""
+    tok = st.tok
+    limit = st.engine.engine.max_model_len
+    try:
+        if not chat:
+            if isinstance(req.prompt, list):
+                return list(req.prompt), [], []
+            _length_precheck(st, len(req.prompt.encode("utf-8", errors="replace")), limit)
+            return tok.encode(req.prompt, allow_special=True), [], []
+        return _chat_prompt(st, req)
+    except APIError:
+        raise
+    except (ChatFormatError, ValueError, TypeError, RecursionError) as e:
+        raise APIError(400, f"cannot render the conversation: {str(e)[:500]}", code="invalid_messages") from None
+
+
+def _length_precheck(st: _State, nbytes: int, limit: int) -> None:
+    if nbytes > limit * st.max_token_bytes:
+        raise APIError(400, f"the prompt is longer than the maximum context length of {limit} tokens",
+                       param="messages", code="context_length_exceeded")
+
+
+def _encode(st: _State, b: SegmentBuilder) -> list[int]:
+    return [t for s in b.segments for t in st.tok.encode(s.text, allow_special=s.special)]
+
+
+def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int], list[int]]:
+    segs = render_segments(req.messages, req.tools, thinking=req.thinking,
+                           thinking_effort=req.effort if req.thinking else None, add_generation_prompt=True,
+                           tool_choice=req.tool_choice, response_format=req.response_format)
+    _length_precheck(st, sum(len(s.text.encode("utf-8", errors="replace")) for s in segs),
+                     st.engine.engine.max_model_len)
+    ids = [t for s in segs for t in st.tok.encode(s.text, allow_special=s.special)]
+    forced: list[int] = []
+    close: list[int] = []
+    if req.named_tool is not None:
+        # named tool_choice: the prompt ends with the opening of that call, the model writes the arguments
+        b = SegmentBuilder()
+        if req.thinking:
+            b.close_tag("think")
+            b.open_tag("response")
+        b.close_tag("response")
+        b.open_tag("tools")
+        b.open_tag("call", [("tool", req.named_tool), ("index", 1)])
+        forced = _encode(st, b)
+        b = SegmentBuilder()
+        b.close_tag("call")
+        b.close_tag("tools")
+        close = _encode(st, b)
+    return ids + forced, forced, close
+
+
+def _max_tokens(st: _State, common: CommonParams, prompt_len: int) -> int:
+    eng = st.engine.engine
+    limit = eng.max_model_len
+    if prompt_len >= limit:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the maximum context length is {limit} tokens",
+                       param="messages", code="context_length_exceeded")
+    room = eng.max_tokens_limit(prompt_len)
+    mt = common.max_tokens if common.max_tokens is not None else min(st.cfg.default_max_tokens, room)
+    if mt < 1 or mt > room:
+        raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({mt}) exceeds the maximum context length "
+                       f"({min(limit, eng.max_tokens_limit(0))} tokens)", param="max_tokens",
+                       code="context_length_exceeded")
+    return mt
+
+
+def _sse_line(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(asm: Any, stream: Any, include_usage: bool, chat: bool) -> AsyncIterator[str]:
+    try:
+        if chat:
+            yield _sse_line(asm.first_chunk())
+        async for out in stream:
+            if out.finish_reason == "error":
+                yield _sse_line(APIError(500, f"generation failed: {out.error}").body())
+                return
+            for c in asm.stream_chunks(out):
+                yield _sse_line(c)
+        if include_usage and asm.usage is not None:
+            yield _sse_line(asm.usage_chunk())
+        yield "data: [DONE]\n\n"
+    except (ValueError, RuntimeError) as e:
+        yield _sse_line(APIError(500, f"generation failed: {e}").body())
+    finally:
+        stream.close()  # client gone or done: abort if still running (frees the cache)
+
+
+async def _collect(st: _State, request: Request, asm: Any, stream: Any) -> Response:
+    async def watch() -> None:
+        while not stream.done:
+            if await request.is_disconnected():
+                stream.close()
+                return
+            await asyncio.sleep(st.cfg.disconnect_poll_s)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for out in stream:
+            if out.finish_reason == "error":
+                return JSONResponse(APIError(500, f"generation failed: {out.error}").body(), status_code=500)
+            asm.add(out)
+    except (ValueError, RuntimeError) as e:
+        return JSONResponse(APIError(500, f"generation failed: {e}").body(), status_code=500)
+    finally:
+        watcher.cancel()
+        stream.close()
+    if asm.usage is None:  # aborted because the client left: nobody reads this
+        return JSONResponse(APIError(499, "client closed the request").body(), status_code=499)
+    return JSONResponse(asm.response(), headers={"x-request-id": stream.request_id})
