@@ -4,6 +4,7 @@ library source of the running interpreter in about ten minutes on 2 CPU cores.""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (under torchrun)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (under torchrun)")
     p.set_defaults(func=run)
 
 
@@ -51,10 +54,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = train(cfg, resume=args.resume)
+    result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
     if result.interrupted:
         print(f"interrupted; resume with: k3 train --out {result.out_dir} --resume", file=sys.stderr)
         return 130
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     print(f"done: {result.steps} steps in {result.out_dir}; val loss {result.first_val_loss:.3f} -> "
           f"{result.last_val_loss:.3f} (unigram baseline {result.unigram_entropy:.3f} nats/token); "
           f"final checkpoint {result.out_dir}/final")

@@ -24,6 +24,11 @@ from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_state, set_rng_state
 
 
+def wants_distributed() -> bool:
+    """Under torchrun with more than one process (--ep / --cp are no-ops in a single process)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 @dataclass
 class TrainResult:
     out_dir: str
@@ -35,13 +40,19 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, ep: int = 1, cp: int = 1) -> None:
         self.cfg = cfg.validate()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.par = None  # k3.distributed.Parallel under torchrun / --ep / --cp
+        if wants_distributed():
+            from k3.distributed.runtime import Parallel
+            self.par = Parallel(ep, cp, self.device)
+            self.device = self.par.device
+        self.main = self.par is None or self.par.is_main
         self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
         os.makedirs(self.out, exist_ok=True)
         self.ckpt_dir = os.path.join(self.out, "checkpoint")
-        self.progress = Progress(cfg.max_steps)
+        self.progress = Progress(cfg.max_steps) if self.main else Progress(cfg.max_steps, open(os.devnull, "w"))
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
             if self.device.type == "cpu":
@@ -51,14 +62,21 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.model_config = self._model_config()
+        if self.par is not None and not self.main:
+            self.par.barrier()  # rank 0 tokenises and fills the cache first
         self.data: TrainData = prepare_data(cfg, self.model_config, self.progress.message)
+        if self.par is not None and self.main:
+            self.par.barrier()
         self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
+        self.num_params = self.model.num_parameters()
+        if self.par is not None:
+            self.par.setup(self.model)
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         geom = HeadGeometry.from_config(self.model_config.text_config)
         groups = build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr)
         self.base_lrs = [g["lr"] for g in groups]
-        self.opt = PerHeadMuon(groups)
+        self.opt = PerHeadMuon(groups) if self.par is None else self.par.optimizer(groups)
         self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
                     if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
         tc = self.model_config.text_config
@@ -72,7 +90,7 @@ class Trainer:
         self.val_history: list[float] = []
         if resume:
             self._resume()
-        self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl"), resume=resume)
+        self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl") if self.main else os.devnull, resume=resume)
 
     # ---- setup --------------------------------------------------------------------------------
     def _model_config(self) -> K3Config:
@@ -96,21 +114,38 @@ class Trainer:
             changed = sorted(k for k, v in self.cfg.to_dict().items()
                              if k != "out" and st["train_config"].get(k) != v)
             raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
-        self.model.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["optimizer"])
+        if isinstance(st["model"], str):  # "dcp": a sharded checkpoint from a distributed run
+            from k3.distributed.checkpoint import load_dcp
+            load_dcp(os.path.join(self.ckpt_dir, st["model"]), self.model, self.opt,
+                     None if self.par is None else self.par.mesh)
+        elif self.par is None:
+            self.model.load_state_dict(st["model"])
+            self.opt.load_state_dict(st["optimizer"])
+        else:
+            self.par.load_full_model_state(st["model"])
+            self.par.load_full_optimizer_state(self.opt, st["optimizer"])
         self.qb.load_state_dict(st["qb"])
         self.data.loader.load_state_dict(st["loader"])
         set_rng_state(st["rng"])
         self.step, self.stage, self.val_history = st["step"], st["stage"], st["val_history"]
-        truncate_metrics(os.path.join(self.out, "metrics.jsonl"), self.step - 1)
+        if self.main:
+            truncate_metrics(os.path.join(self.out, "metrics.jsonl"), self.step - 1)
         self.progress.message(f"resumed from {self.ckpt_dir} at step {self.step}")
 
     def save(self) -> None:
+        if self.par is None:
+            model, opt = self.model.state_dict(), self.opt.state_dict()
+        else:  # sharded torch.distributed.checkpoint, loadable at any world size (also by one process)
+            from k3.distributed.checkpoint import save_dcp_atomic
+            save_dcp_atomic(os.path.join(self.ckpt_dir, "dcp"), self.model, self.opt, self.par.mesh)
+            model = opt = "dcp"
+            if not self.main:
+                return
         save_state(self.ckpt_dir, {
             "step": self.step, "stage": self.stage, "val_history": self.val_history,
             "train_config": self.cfg.to_dict() | {"out": self.out},
             "model_config": self.model_config.to_dict(),
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "qb": self.qb.state_dict(),
+            "model": model, "optimizer": opt, "qb": self.qb.state_dict(),
             "loader": self.data.loader.state_dict(), "rng": rng_state(),
         })
 
@@ -140,9 +175,16 @@ class Trainer:
         batch = next(self.data.loader)
         ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
         with self._autocast():
-            loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+            if self.par is None:
+                objective = loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
+            else:
+                objective, loss = self.par.loss(self.forward, self.par.local_batch(ids, labels, cu, batch.seq_len))
+        objective.backward()
+        if self.par is None:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
+        else:
+            self.par.after_backward()
+            gnorm = self.par.clip_grad_norm(self.cfg.grad_clip or float("inf"))
         f = lr_factor(self.cfg, self.step)
         for g, base in zip(self.opt.param_groups, self.base_lrs):
             g["lr"] = base * f
@@ -150,7 +192,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         balance = None
         if self.cfg.quantile_balancing and self.moe:
-            self.qb.step({i: m.gate.e_score_correction_bias for i, m in self.moe.items()})
+            self.qb.step({i: m.gate.e_score_correction_bias for i, m in self.moe.items()},
+                         all_reduce=None if self.par is None else self.par.all_reduce)
             lb = [v for v in self.qb.load_balance().values() if math.isfinite(v)]
             balance = max(lb) if lb else None
         dt = time.perf_counter() - t0
@@ -158,6 +201,8 @@ class Trainer:
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
         if balance is not None:
             rec["max_load_ratio"] = balance
+        if self.par is not None:
+            rec.update(self.par.metrics())
         return rec
 
     @torch.no_grad()
@@ -167,7 +212,10 @@ class Trainer:
         for batch in self.data.val_batches:
             ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
             with self._autocast():
-                loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                if self.par is None:
+                    loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                else:
+                    loss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, batch.seq_len))[1]
             n = int((labels != -100).sum())
             total += loss.item() * n
             count += n
@@ -178,7 +226,7 @@ class Trainer:
         interrupted = False
         if self.step == 0:
             self.log.write({"event": "start", "step": 0, "unigram_entropy": self.data.unigram_entropy,
-                            "params": self.model.num_parameters()[0], "active_params": self.model.num_parameters()[1],
+                            "params": self.num_params[0], "active_params": self.num_params[1],
                             "train_tokens": self.data.train_tokens, "device": str(self.device)})
             val = self.evaluate()
             self.val_history.append(val)
@@ -199,7 +247,8 @@ class Trainer:
                     self.val_history.append(val)
                     self.log.write({"step": self.step, "val_loss": val})
                     self.progress.message(f"step {self.step}: val_loss {val:.4f}")
-                    plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+                    if self.main:
+                        plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
                 if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                     self.save()
         except KeyboardInterrupt:
@@ -208,7 +257,8 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
         self.save()
-        plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+        if self.main:
+            plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
         if not interrupted:
             self.export(os.path.join(self.out, "final"))
         self.log.close()
@@ -217,13 +267,25 @@ class Trainer:
 
     def export(self, path: str) -> None:
         """The final model in the official checkpoint format, plus the tokenizer files."""
-        self.model.save_pretrained(path, dtype="float32" if self.model_config.dtype == "float32" else None)
+        model = self.model
+        if self.par is not None:  # gather on every rank, write from rank 0
+            sd = self.par.full_model_state()
+            if not self.main:
+                return
+            model = K3ForCausalLM(self.model_config)
+            model.load_state_dict(sd)
+        model.save_pretrained(path, dtype="float32" if self.model_config.dtype == "float32" else None)
         self.data.tokenizer.save(path)
         self.progress.message(f"saved {path}")
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> TrainResult:
-    return Trainer(cfg, resume=resume).run()
+def train(cfg: TrainConfig, resume: bool = False, ep: int = 1, cp: int = 1) -> TrainResult:
+    trainer = Trainer(cfg, resume=resume, ep=ep, cp=cp)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.par is not None:
+            trainer.par.close()
 
 
 __all__ = ["Trainer", "TrainResult", "train"]
