@@ -31,7 +31,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # overrides of the model config (text_config keys)
     data: str | None = None  # None = the Python stdlib source of the running interpreter
     out: str | None = None
-    max_steps: int = 200
+    max_steps: int = 170
     seed: int = 0
     deterministic: bool = False
     tokens_per_step: int = 2048
