@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from k3.chat.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP, unescape_attr
+from k3.chat.xtml import CLOSE, MARKERS, OPEN, SEP, unescape_attr
 
 _MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS))
 _MAX_CARRY = max(len(m) for m in MARKERS) - 1

@@ -16,17 +16,17 @@
 
 from __future__ import annotations
 
-import math
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from k3.model.common import KEEP_FP32
-from k3.optim.muon import PerHeadMuon, _Pending, _resolve_ns_dtype, merge_blocks, newton_schulz, split_blocks
+from k3.optim.muon import PerHeadMuon
 
 EP_LOCAL = "_k3_ep_local"  # set on expert parameters that expert parallel split over `ep`
 
@@ -99,69 +99,17 @@ class ShardedPerHeadMuon(PerHeadMuon):
     runs on the local shards directly. Plain-tensor parameters (e.g. expert-parallel experts,
     whose blocks are whole experts) take the single-device path unchanged."""
 
-    def _muon_momentum(self, group: dict[str, Any]) -> list[_Pending]:
-        out = []
-        mu = group["momentum"]
-        for p, spec in zip(group["params"], group["block_specs"]):
-            if p.grad is None:
-                continue
-            grad = p.grad.float()
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            if isinstance(update, DTensor):
-                update = update.full_tensor()
-            out.append(_Pending(p, group, spec, split_blocks(update, spec)))
-        return out
+    def _full(self, update: Tensor) -> Tensor:
+        return update.full_tensor() if isinstance(update, DTensor) else update
 
-    def _apply_muon(self, pending: list[_Pending]) -> None:
-        buckets: dict[tuple, list[int]] = {}
-        for i, item in enumerate(pending):
-            g = item.group
-            dtype = _resolve_ns_dtype(g["ns_dtype"], item.blocks.device)
-            key = (tuple(item.blocks.shape[1:]), item.blocks.device, dtype,
-                   g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"])
-            buckets.setdefault(key, []).append(i)
-        for (shape, _, dtype, steps, coeffs, eps), members in buckets.items():
-            ortho = newton_schulz(torch.cat([pending[i].blocks for i in members], 0), steps, coeffs, eps, dtype)
-            scale = 0.2 * math.sqrt(max(shape))
-            for i, chunk in zip(members, torch.split(ortho, [pending[i].blocks.shape[0] for i in members], 0)):
-                item = pending[i]
-                lr, wd = item.group["lr"], item.group["weight_decay"]
-                delta = merge_blocks(chunk, item.spec, item.param.shape)
-                p = item.param
-                if isinstance(p, DTensor):
-                    # Replicate -> p's placements is a local slice (no communication).
-                    full = DTensor.from_local(delta, p.device_mesh, [Replicate()] * p.device_mesh.ndim,
-                                              run_check=False)
-                    delta = full.redistribute(p.device_mesh, p.placements).to_local()
-                    p = p.to_local()
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(delta.to(p.dtype), alpha=-lr * scale)
+    def _apply_delta(self, param: Tensor, delta: Tensor, lr: float, wd: float, scale: float) -> None:
+        if isinstance(param, DTensor):
+            # Replicate -> param's placements is a local slice (no communication).
+            full = DTensor.from_local(delta, param.device_mesh, [Replicate()] * param.device_mesh.ndim,
+                                      run_check=False)
+            delta = full.redistribute(param.device_mesh, param.placements).to_local()
+            param = param.to_local()
+        super()._apply_delta(param, delta, lr, wd, scale)
 
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["adam_eps"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["step"] += 1
-            t = float(state["step"])
-            local = (lambda x: x.to_local() if isinstance(x, DTensor) else x)
-            w, grad = local(p), local(p.grad).float()
-            exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (exp_avg_sq / (1 - beta2**t)).sqrt_().add_(eps)
-            if wd != 0:
-                w.mul_(1 - lr * wd)
-            w.add_((exp_avg / denom).to(w.dtype), alpha=-lr / (1 - beta1**t))
+    def _local(self, t: Tensor) -> Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t

@@ -293,8 +293,23 @@ class PerHeadMuon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            out.append(_Pending(p, group, spec, split_blocks(update, spec)))
+            out.append(_Pending(p, group, spec, split_blocks(self._full(update), spec)))
         return out
+
+    # ---- hooks for sharded parameters (k3.distributed overrides these three) --------------------
+    def _full(self, update: Tensor) -> Tensor:
+        """The whole-parameter update that Newton-Schulz sees (identity on one device)."""
+        return update
+
+    def _apply_delta(self, param: Tensor, delta: Tensor, lr: float, wd: float, scale: float) -> None:
+        """param <- param * (1 - lr * wd) - lr * scale * delta, delta being the whole orthogonalised update."""
+        if wd != 0:
+            param.mul_(1 - lr * wd)
+        param.add_(delta.to(param.dtype), alpha=-lr * scale)
+
+    def _local(self, t: Tensor) -> Tensor:
+        """The tensor AdamW updates elementwise (identity on one device)."""
+        return t
 
     def _apply_muon(self, pending: list[_Pending]) -> None:
         """Batched Newton-Schulz per shape bucket, then scaled update + decoupled weight decay."""
@@ -312,11 +327,8 @@ class PerHeadMuon(torch.optim.Optimizer):
             scale = 0.2 * math.sqrt(max(shape))
             for i, chunk in zip(members, torch.split(ortho, sizes, dim=0)):
                 item = pending[i]
-                lr, wd = item.group["lr"], item.group["weight_decay"]
-                delta = merge_blocks(chunk, item.spec, item.param.shape)
-                if wd != 0:
-                    item.param.mul_(1 - lr * wd)
-                item.param.add_(delta.to(item.param.dtype), alpha=-lr * scale)
+                self._apply_delta(item.param, merge_blocks(chunk, item.spec, item.param.shape),
+                                  item.group["lr"], item.group["weight_decay"], scale)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         """Standard AdamW (bias-corrected moments, decoupled weight decay), fp32 state."""
@@ -327,7 +339,6 @@ class PerHeadMuon(torch.optim.Optimizer):
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("PerHeadMuon (AdamW part) does not support sparse gradients")
-            grad = p.grad.float()
             state = self.state[p]
             if "exp_avg" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
@@ -335,11 +346,12 @@ class PerHeadMuon(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             t = float(state["step"])
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            w, grad = self._local(p), self._local(p.grad).float()
+            exp_avg, exp_avg_sq = self._local(state["exp_avg"]), self._local(state["exp_avg_sq"])
             exp_avg.lerp_(grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             step_size = lr / (1 - beta1**t)
             denom = (exp_avg_sq / (1 - beta2**t)).sqrt_().add_(eps)
             if wd != 0:
-                p.mul_(1 - lr * wd)
-            p.add_((exp_avg / denom).to(p.dtype), alpha=-step_size)
+                w.mul_(1 - lr * wd)
+            w.add_((exp_avg / denom).to(w.dtype), alpha=-step_size)

@@ -46,7 +46,6 @@ def kda_reference(
             raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
         cs = cu_seqlens.tolist()
         bounds = [(0, cs[i], cs[i + 1]) for i in range(len(cs) - 1)]
-    N = len(bounds)
     qf, kf, vf, gf, bf = (x.to(dtype) for x in (q, k, v, g, beta))
     o = torch.zeros(B, T, H, V, dtype=dtype, device=q.device)
     finals = []
