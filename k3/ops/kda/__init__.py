@@ -13,6 +13,7 @@ import torch
 
 from k3.ops.kda.gate import kda_gate
 from k3.ops.kda.reference import kda_reference
+from k3.ops.kda.validate import check_kda_shapes
 
 __all__ = ["kda", "kda_gate", "kda_reference", "l2norm"]
 
@@ -23,30 +24,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last dim, computed in fp32, returned in x's dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, gate_fused: bool) -> None:
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [B, T, H, K]; got {list(q.shape)} and {list(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V]; got {list(v.shape)}")
-    if g.shape != q.shape:
-        raise ValueError(f"g must be [B, T, H, K] = {list(q.shape)}; got {list(g.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {list(beta.shape)}")
-    N = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [N + 1]")
-        cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, end at T={T} and be non-decreasing; got {cs}")
-        N = len(cs) - 1
-    if initial_state is not None and initial_state.shape != (N, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [N={N}, H={H}, K={K}, V={v.shape[-1]}]; got {list(initial_state.shape)}")
 
 
 def kda(
@@ -93,7 +70,7 @@ def kda(
         raise ValueError("the in-kernel gate needs dt_bias together with A_log")
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
-    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate_fused)
+    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     if backend == "auto":
         # The Triton kernels need a known lower bound on the per-step decay (the K3 gate gives one).
         backend = "triton" if q.is_cuda and lower_bound is not None else "torch"

@@ -36,6 +36,7 @@ import triton
 
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
+from k3.ops.kda.validate import check_kda_shapes
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
@@ -258,14 +259,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
-def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state):
-    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"q, k, g must all be [B, T, H, K]; got {list(q.shape)}, {list(k.shape)}, {list(g.shape)}")
+def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens):
+    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B={B}, T={T}, H={H}, V]; got {list(v.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H] = {[B, T, H]}; got {list(beta.shape)}")
     V = v.shape[-1]
     if K not in _SUPPORTED_DIMS or V not in _SUPPORTED_DIMS:
         raise ValueError(f"triton KDA supports head dims K, V in {_SUPPORTED_DIMS}; got K={K}, V={V}")
@@ -326,14 +322,10 @@ def chunk_kda(
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
     """
-    _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state)
+    _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
     B, T, H, K = q.shape
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
     scale = K ** -0.5 if scale is None else float(scale)
     meta = chunk_meta(B, T, cu_seqlens, q.device)
-    if initial_state is not None and initial_state.shape != (meta.N, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [{meta.N}, {H}, {K}, {v.shape[-1]}]; got {list(initial_state.shape)}")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if A_log is not None:
         A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
