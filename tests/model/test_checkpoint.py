@@ -210,7 +210,7 @@ def test_mxfp4_round_trip_bit_exact(tmp_path):
     report = load_checkpoint(fresh, tmp_path / "m")
     assert report.experts_format == "mxfp4"
     assert_bit_equal(model, fresh)
-    assert fresh._k3_mxfp4_scales[f"model.layers.1.block_sparse_moe.experts.w2"].shape == (8, 128, 4)
+    assert fresh._k3_mxfp4_scales["model.layers.1.block_sparse_moe.experts.w2"].shape == (8, 128, 4)
 
 
 def test_mxfp4_off_grid_weights_are_quantised(tmp_path):

@@ -1,6 +1,5 @@
 """The facts that are easy to get wrong, one test each."""
 
-import pytest
 import torch
 
 from k3.config import k3_tiny, kimi_k3

@@ -1,0 +1,112 @@
+"""Training throughput and MFU of a K3 preset (default k3-small) on one GPU.
+
+One run prints, for each sequence length: tokens/s, model TFLOP/s, MFU against the measured H200
+bf16 roofline (790 TFLOP/s), step time, and Muon's share of it; with the Triton KDA kernels and,
+as the in-run baseline, with the chunked PyTorch KDA backend.
+
+    python bench/train.py                       # k3-small, T = 4096 and 8192, on CUDA
+    python bench/train.py --tiny --device cpu   # smoke run of the same code path
+
+FLOPs per token (training = 3 x forward), counted from the config:
+    matmuls  2 * (active parameters without the input embedding)
+    MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context)
+    KDA      per layer 2 * H * (4 * K * V + C * (K + V)), C = 64 (state update/readout + intra-chunk)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from k3.config import get_preset
+from k3.model.causal_lm import K3ForCausalLM
+from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
+
+ROOFLINE_BF16 = 790e12
+
+
+def flops_per_token(model: K3ForCausalLM, seq_len: int) -> float:
+    tc = model.config.text_config
+    _, active = model.num_parameters()
+    fwd = 2.0 * active
+    for i in range(tc.num_hidden_layers):
+        if tc.is_mla(i):
+            fwd += 2 * tc.num_attention_heads * (tc.qk_head_dim + tc.v_head_dim) * seq_len / 2
+        else:
+            H, K = tc.kda_num_heads, tc.kda_head_dim
+            fwd += 2 * H * (4 * K * K + 64 * 2 * K)
+    return 3 * fwd
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str) -> dict:
+    model.set_kda_backend(backend)
+    B = max(1, tokens // seq_len)
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(0, vocab, (1, B * seq_len + 1), device=device)
+    cu = torch.arange(0, B * seq_len + 1, seq_len, device=device, dtype=torch.int32)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    step_t, opt_t = [], []
+    for i in range(steps + 2):  # two warm-up steps
+        sync(device)
+        t0 = time.perf_counter()
+        with amp:
+            loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
+        loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        t2 = time.perf_counter()
+        if i >= 2:
+            step_t.append(t2 - t0)
+            opt_t.append(t2 - t1)
+    step = sorted(step_t)[len(step_t) // 2]
+    muon = sorted(opt_t)[len(opt_t) // 2]
+    tok_s = B * seq_len / step
+    tflops = tok_s * flops_per_token(model, seq_len) / 1e12
+    return {"backend": backend, "T": seq_len, "B": B, "step_ms": step * 1e3, "tok_s": tok_s, "tflops": tflops,
+            "mfu": tflops * 1e12 / ROOFLINE_BF16, "opt_share": muon / step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--tiny", action="store_true", help="k3-tiny, short sequences (smoke test)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seq-lens", default=None, help="comma-separated (default 4096,8192; tiny 64,128)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; tiny 256)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--backends", default=None, help="comma-separated KDA backends (default triton,torch on CUDA)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    preset = "k3-tiny" if args.tiny else args.preset
+    seq_lens = [int(s) for s in (args.seq_lens or ("64,128" if args.tiny else "4096,8192")).split(",")]
+    tokens = args.tokens or (256 if args.tiny else 16384)
+    backends = (args.backends or ("triton,torch" if device.type == "cuda" else "torch")).split(",")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(device)
+    geom = HeadGeometry.from_config(model.config.text_config)
+    opt = PerHeadMuon(build_param_groups(model, geom, lr=1e-3, weight_decay=0.1))
+    total, active = model.num_parameters()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
+          f"{tokens} tokens/step; median of {args.steps} steps")
+    print("| KDA backend | T | B | step ms | tokens/s | TFLOP/s | MFU | optimizer share |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for T in seq_lens:
+        for be in backends:
+            r = bench(model, opt, T, tokens, args.steps, device, be)
+            print(f"| {r['backend']} | {r['T']} | {r['B']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+                  f"{r['tflops']:.1f} | {r['mfu']:.1%} | {r['opt_share']:.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""The GPU benchmark scripts keep working: run their CPU smoke modes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_train_tiny_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--tiny", "--device", "cpu", "--steps", "1",
+                        "--seq-lens", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| torch | 64 |" in r.stdout
