@@ -23,14 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from k3.model.common import rms_norm
 
 __all__ = [
-    "VisionConfig", "tiny_vision_config", "num_media_tokens", "num_video_tokens", "MoonViTEncoder",
-    "PatchMergerV2", "patchify", "rope_2d", "merge_windows", "encoder_param_count",
+    "MoonViTEncoder",
+    "PatchMergerV2",
+    "VisionConfig",
+    "encoder_param_count",
+    "merge_windows",
+    "num_media_tokens",
+    "num_video_tokens",
+    "patchify",
+    "rope_2d",
+    "tiny_vision_config",
 ]
 
 
@@ -63,7 +71,7 @@ class VisionConfig:
     def from_dict(cls, d: dict[str, Any] | None, text_hidden_size: int | None = None) -> VisionConfig:
         """Read ``K3Config.vision_config``. ``text_hidden_size`` fills the field when the dict lacks it."""
         if not isinstance(d, dict):
-            raise ValueError(f"vision_config: expected a dict, got {type(d).__name__}")
+            raise ValueError(f"vision_config: expected a dict, got {type(d).__name__}")  # noqa: TRY004 (project: bad input -> ValueError)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}

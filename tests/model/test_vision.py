@@ -9,8 +9,16 @@ import torch
 
 from k3.config import kimi_k3
 from k3.model.vision import (
-    MoonViTEncoder, PatchMergerV2, VisionConfig, encoder_param_count, merge_windows, num_media_tokens,
-    num_video_tokens, patchify, rope_2d, tiny_vision_config,
+    MoonViTEncoder,
+    PatchMergerV2,
+    VisionConfig,
+    encoder_param_count,
+    merge_windows,
+    num_media_tokens,
+    num_video_tokens,
+    patchify,
+    rope_2d,
+    tiny_vision_config,
 )
 
 FULL = VisionConfig()
