@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-# module name under k3.cli -> subcommand; modules are imported lazily only to build the parser.
+# Modules under k3.cli, one per subcommand; each imports its heavy dependencies inside `run`.
 COMMANDS = [
     "info",
     "generate",
@@ -22,13 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            mod = importlib.import_module(f"k3.cli.{name}")
-        except ModuleNotFoundError as e:  # a command not built yet on this branch
-            if e.name == f"k3.cli.{name}":
-                continue
-            raise
-        mod.add_parser(sub)
+        importlib.import_module(f"k3.cli.{name}").add_parser(sub)
     return parser
 
 
