@@ -133,7 +133,10 @@ def test_pre_tokenizer_hf(text, pieces) -> None:
     assert _hf_pieces(text) == pieces
 
 
-_texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60) | st.lists(
+# Unassigned code points (Cn in this Python's Unicode tables) are excluded: the regex engines carry
+# different Unicode versions, so they may classify characters newer than the oldest one differently
+# (seen: U+323B0, CJK Extension H, Unicode 15). Private-use characters have no letter/number class.
+_texts = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cn", "Co"]), max_size=60) | st.lists(
     st.sampled_from(list("aZ 中文\n\r\t'sT1,é\u0301👋") + ["'ll", "HTTP", "  "]), max_size=30).map("".join)
 
 
