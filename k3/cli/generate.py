@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens)
     if args.checkpoint:
-        model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=args.dtype or "float32"
-                                              if args.device == "cpu" else args.dtype, device=args.device)
+        dtype = args.dtype or ("float32" if args.device == "cpu" else None)  # None: the checkpoint's dtype
+        model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
     else:
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed or 0)
         model.to_dtype(args.dtype or "float32").to(args.device)

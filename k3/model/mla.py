@@ -87,7 +87,7 @@ class GatedMLA(nn.Module):
             # N * Tmax^2 work instead of total^2 for a block-diagonal mask over the packed row.
             q, k, v = (_to_padded(t.transpose(1, 2), layout).transpose(1, 2) for t in (q, k, v))
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale)
-            return _from_padded(o.transpose(1, 2), layout, (1, int(layout.new_lens.sum())))
+            return _from_padded(o.transpose(1, 2), layout, int(layout.new_lens.sum()))
         else:
             T = q.shape[2]
             seq, _ = layout.token_seq_pos(T)
@@ -112,7 +112,7 @@ class GatedMLA(nn.Module):
             k, v = self._expand(buf[:, :S])
             o = _sdpa(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
                       causal=False, scale=self.scale).transpose(1, 2)
-        return _from_padded(o, layout, q.shape[:2])
+        return _from_padded(o, layout, q.shape[1])
 
     def _absorbed(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Weight-absorbed attention over latents: q [N, Tq, H, nope+rope], lat [N, S, kv_lora+rope].
@@ -159,9 +159,10 @@ def _to_padded(x: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
     return out
 
 
-def _from_padded(x: torch.Tensor, layout: SeqLayout, shape: torch.Size) -> torch.Tensor:
+def _from_padded(x: torch.Tensor, layout: SeqLayout, total: int) -> torch.Tensor:
+    """[N, Tmax, ...] -> packed [1, total, ...] (identity for row input)."""
     if layout.cu_seqlens is None:
         return x
-    seq, pos = layout.token_seq_pos(shape[1])
+    seq, pos = layout.token_seq_pos(total)
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     return flat.index_select(0, seq * x.shape[1] + pos)[None]  # backward: index_add, not index_put

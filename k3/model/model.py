@@ -64,10 +64,11 @@ class DecoderLayer(nn.Module):
         Returns the updated (bank, prefix).
         """
         h = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj)
-        if self.layer_idx % self.block_size == 0:
-            bank = bank + [prefix]
-            prefix = torch.zeros_like(prefix)
-        prefix = prefix + self.self_attn(self.input_layernorm(h), layout, cache)
+        a = self.self_attn(self.input_layernorm(h), layout, cache)
+        if self.layer_idx % self.block_size == 0:  # block boundary: bank the prefix, restart it at 0
+            bank, prefix = bank + [prefix], a
+        else:
+            prefix = prefix + a
         m = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj)
         return bank, prefix + self.ffn(self.post_attention_layernorm(m))
 

@@ -161,11 +161,10 @@ class Trainer:
             return
         seq = self.cfg.stages[s].seq_len
         self.data.loader.set_shape(seq, self.cfg.tokens_per_step // seq)
-        if self.stage >= 0 or self.step == 0:
-            self.log.write({"event": "stage", "step": self.step, "stage": s, "seq_len": seq,
-                            "batch_size": self.cfg.tokens_per_step // seq})
-            self.progress.message(f"step {self.step}: context stage {s} -> seq_len {seq}, "
-                                  f"batch {self.cfg.tokens_per_step // seq}")
+        self.log.write({"event": "stage", "step": self.step, "stage": s, "seq_len": seq,
+                        "batch_size": self.cfg.tokens_per_step // seq})
+        self.progress.message(f"step {self.step}: context stage {s} -> seq_len {seq}, "
+                              f"batch {self.cfg.tokens_per_step // seq}")
         self.stage = s
 
     def train_step(self) -> dict[str, Any]:
