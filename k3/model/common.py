@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3.model.fused import EAGER, Kernels, linear_multi
+
 KEEP_FP32 = "_k3_keep_fp32"
 
 
@@ -27,6 +29,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 class RMSNorm(nn.Module):
+    kernels: Kernels = EAGER
+
     def __init__(self, dim: int, eps: float = 1e-5, fp32_weight: bool = False) -> None:
         super().__init__()
         self.eps = eps
@@ -35,7 +39,7 @@ class RMSNorm(nn.Module):
             keep_fp32(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -58,7 +62,12 @@ def glu_act(a: torch.Tensor, b: torch.Tensor, act: str, beta: float, beta_lin: f
 
 
 class GLUMLP(nn.Module):
-    """gate/up/down MLP with the SiTU (or SiLU) GLU: the dense layer-0 MLP and the fused shared experts."""
+    """gate/up/down MLP with the SiTU (or SiLU) GLU: the dense layer-0 MLP and the fused shared experts.
+
+    While training, gate and up run as one GEMM against the concatenated weights (see
+    k3.model.fused.linear_multi); the parameters stay separate (checkpoint names)."""
+
+    kernels: Kernels = EAGER
 
     def __init__(self, hidden: int, inter: int, act: str, beta: float, beta_lin: float) -> None:
         super().__init__()
@@ -68,7 +77,8 @@ class GLUMLP(nn.Module):
         self.act, self.beta, self.beta_lin = act, beta, beta_lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_act(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.beta_lin))
+        a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
+        return self.down_proj(self.kernels.glu(a, b, self.act, self.beta, self.beta_lin))
 
 
 def attn_res_mix(candidates: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.Tensor,
@@ -83,6 +93,6 @@ def attn_res_mix(candidates: list[torch.Tensor], w_norm: torch.Tensor, w_proj: t
         return candidates[0]
     w = w_norm.float() * w_proj.float().reshape(-1)
     V = torch.stack([c.float() for c in candidates])  # [n, ..., d]
-    keys = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)
-    p = torch.softmax(keys @ w, dim=0)  # [n, ...]
+    # (rmsnorm(V) . w) computed as (V . w) * rsqrt(mean(V^2) + eps): the same sum, no normalised copy of V
+    p = torch.softmax((V @ w) * torch.rsqrt(V.square().mean(-1) + eps), dim=0)  # [n, ...]
     return (p.unsqueeze(-1) * V).sum(0).to(candidates[-1].dtype)

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
-from k3.model.common import keep_fp32, rms_norm
+from k3.model.common import keep_fp32
+from k3.model.fused import EAGER, Kernels, linear_multi
 from k3.ops.kda import kda
 
 
@@ -50,12 +51,56 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
     return torch.nn.functional.silu(y).to(x.dtype)[None], new_tail
 
 
+def conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed rows whose causal window would reach into the previous document: the first W-1 tokens
+    of every document (clamped into range; a short document's extra rows are rows of the next one,
+    handled by the same per-row rule). Returns (rows [R], in-document mask of their W taps [R, W]),
+    or None for row input (plain zero padding is already exact)."""
+    if layout.cu_seqlens is None:
+        return None
+    starts = layout.cu_seqlens[:-1].to(device, torch.long)
+    rows = (starts[:, None] + torch.arange(width - 1, device=device)).clamp(max=total - 1).flatten()
+    _, pos = layout.token_seq_pos(total)
+    taps = torch.arange(width, device=device) - (width - 1)  # source offset of tap j
+    return rows, pos.index_select(0, rows)[:, None] + taps >= 0
+
+
+def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, streams: int,
+                      kernels: Kernels = EAGER) -> torch.Tensor:
+    """`causal_conv_silu` for a forward without history (training, fresh prefill), as one depthwise
+    conv1d over the whole row in fp32, then SiLU, cast, and a split into `streams` equal parts.
+
+    x: [B, T, S*C] any layout (e.g. a slice of a fused projection); weight [S*C, 1, W] fp32.
+    Returns [S, B, T, C] contiguous in x's dtype (each stream ready for the KDA kernel as is).
+    Packed documents: the conv runs across document edges, then the first W-1 rows of each document
+    are recomputed from their own document's taps (a few gathers), so the result is exact.
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    xt = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, C, T]
+    w = weight.float()
+    with torch.autocast(x.device.type, enabled=False):
+        y = torch.nn.functional.conv1d(xt, w, padding=W - 1, groups=C)[..., :T]
+    fix = conv_fix_rows(layout, T, W, x.device)
+    if fix is not None:
+        rows, keep = fix
+        src = (rows[:, None] + torch.arange(W, device=x.device) - (W - 1)).clamp(min=0)  # [R, W]
+        taps = xt[0][:, src] * (w.reshape(C, 1, W) * keep)  # [C, R, W]
+        y[0].index_copy_(1, rows, taps.sum(-1))
+    return kernels.silu_streams(y, streams, x.dtype)
+
+
 class KDAttention(nn.Module):
     """KDA mixer: q/k/v projections, short conv + SiLU, L2-normalised q/k, bounded forget gate,
     beta = sigmoid(b_proj x), delta-rule recurrence, per-head gated RMSNorm, o_proj.
 
     Input x: [B, T, d] (after input_layernorm). Output [B, T, d] in x's dtype.
+    While training, the six input projections run as one GEMM (k3.model.fused.linear_multi) and the
+    short conv as one fp32 conv1d over the packed row (`conv_silu_streams`).
     """
+
+    kernels: Kernels = EAGER
 
     def __init__(self, config: TextConfig, layer_idx: int) -> None:
         super().__init__()
@@ -101,22 +146,24 @@ class KDAttention(nn.Module):
     def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         tail = cache.conv_tail[self.layer_idx] if cache is not None else None
-        qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
-        q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
-        b = self.b_proj(x).float()
+        qkv, g_in, f_a, b = linear_multi(x, [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
+                                             [self.g_proj.weight], [self.f_a_proj.weight], [self.b_proj.weight]])
+        if tail is None and cache is None:
+            q, k, v = (t.reshape(B, T, H, K) for t in conv_silu_streams(qkv, conv_w, layout, 3, self.kernels))
+        else:
+            qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
+            q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
+        f = self.f_b_proj(f_a).reshape(B, T, H, K)
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
         o, final = kda(
-            q, k, v, f, b, initial_state=initial, output_final_state=cache is not None,
+            q, k, v, f, b.float(), initial_state=initial, output_final_state=cache is not None,
             cu_seqlens=layout.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
         )
         if cache is not None:
             cache.kda_state[self.layer_idx] = final.float()
             cache.conv_tail[self.layer_idx] = new_tail
-        gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, H, K)
-        o = (rms_norm(o.float(), self.o_norm.weight, self.eps) * gate).to(x.dtype)
+        o = self.kernels.gated_rms_norm(o, self.o_norm.weight, g_in.reshape(B, T, H, K), self.eps, x.dtype)
         return self.o_proj(o.reshape(B, T, H * K))

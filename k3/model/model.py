@@ -11,7 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
-from k3.model.common import GLUMLP, RMSNorm, attn_res_mix
+from k3.model.common import GLUMLP, RMSNorm
+from k3.model.fused import EAGER, Kernels
 from k3.model.kda import KDAttention
 from k3.model.mla import GatedMLA
 from k3.model.moe import LatentMoE
@@ -34,6 +35,8 @@ class ResidualState:
 
 
 class DecoderLayer(nn.Module):
+    kernels: Kernels = EAGER
+
     def __init__(self, config: TextConfig, layer_idx: int) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
@@ -75,11 +78,13 @@ class DecoderLayer(nn.Module):
     def _mix(self, bank, prefix, norm: ResVector, proj: ResVector) -> torch.Tensor:
         if not bank:
             return prefix
-        return attn_res_mix(bank + [prefix], norm.weight, proj.weight, self.eps)
+        return self.kernels.attn_res(bank + [prefix], norm.weight, proj.weight, self.eps)
 
 
 class K3Model(nn.Module):
     """Token ids [B, T] (or embeddings) -> final hidden states [B, T, d] after the output mix and norm."""
+
+    kernels: Kernels = EAGER
 
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
@@ -117,8 +122,8 @@ class K3Model(nn.Module):
                 bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
             else:
                 bank, prefix = layer(bank, prefix, layout, cache)
-        out = attn_res_mix(bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                           self.config.rms_norm_eps)
+        out = self.kernels.attn_res(bank + [prefix], self.output_attn_res_norm.weight,
+                                    self.output_attn_res_proj.weight, self.config.rms_norm_eps)
         if len(self.layers) in want:
             hidden[len(self.layers)] = out
         if cache is not None:

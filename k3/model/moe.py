@@ -8,13 +8,16 @@ import torch
 import torch.nn as nn
 
 from k3.config import TextConfig
-from k3.model.common import GLUMLP, RMSNorm, glu_act, keep_fp32
+from k3.model.common import GLUMLP, RMSNorm, keep_fp32
+from k3.model.fused import EAGER, Kernels, dispatch, sort_slots
 
 
 class Router(nn.Module):
     """`gate`: scores s = sigmoid(x W^T) in fp32; top-k of (s + e_score_correction_bias) chooses experts;
     weights = s_chosen / (sum s_chosen + 1e-20) * routed_scaling_factor. The bias never enters the weights.
     """
+
+    kernels: Kernels = EAGER
 
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
@@ -27,21 +30,19 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (expert ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32)."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        choice = (scores + self.e_score_correction_bias.float()).detach()
-        idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(-1, idx)
-        if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        idx, w, scores = self.kernels.router_select(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                    self.renormalize, self.scaling)
         if self.score_observer is not None and self.training:
             self.score_observer(scores.detach(), self.e_score_correction_bias)
-        return idx, w * self.scaling, scores
+        return idx, w, scores
 
 
 class RoutedExperts(nn.Module):
     """E experts stacked as w1 (gate) [E, I, L], w3 (up) [E, I, L], w2 (down) [E, L, I], working in
     the latent width L: E_e(z) = w2_e SiTU(w1_e z, w3_e z).
     """
+
+    kernels: Kernels = EAGER
 
     def __init__(self, config: TextConfig) -> None:
         super().__init__()
@@ -60,32 +61,43 @@ class RoutedExperts(nn.Module):
         return (self.w1, self.w3, self.w2) if f is None else (f(self.w1), f(self.w3), f(self.w2))
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """z: [N, L]; idx, w: [N, k] -> sum_k w * round_to_dtype(E_idx(z)) accumulated in fp32, [N, L] fp32."""
+        """z: [N, L]; idx, w: [N, k] -> sum_k w * round_to_dtype(E_idx(z)) accumulated in fp32, [N, L] fp32.
+
+        Tokens are permuted into expert-sorted slots once (a gather, whose backward is a gather and a
+        k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""
         N, k = idx.shape
-        E = self.w1.shape[0]
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=E)
-        xs = z.index_select(0, token)  # (backward: one index_add, not an accumulating index_put)
+        E, I = self.w1.shape[:2]
+        order, inv = sort_slots(idx)
+        counts = torch.bincount(idx.reshape(-1), minlength=E)
+        xs = dispatch(z, order, inv, k)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
-            # fp32 master weights under autocast: _grouped_mm wants both operands in bf16.
-            w1, w3, w2 = (t.to(z.dtype) for t in (w1, w3, w2))
+            # fp32 master weights under autocast: _grouped_mm wants both operands in bf16. While training
+            # gate and up share one grouped GEMM (one input-gradient GEMM in the backward); serving keeps
+            # the weights in place (a concatenation would copy them every call).
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            a = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
-            b = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
-            h = glu_act(a, b, self.act, self.beta, self.beta_lin)
-            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+            if torch.is_grad_enabled():
+                w13 = torch.cat([w1, w3], dim=1).to(z.dtype).transpose(-2, -1)
+                a, b = torch._grouped_mm(xs, w13, offs=offs).split(I, dim=-1)
+            else:
+                a, b = (torch._grouped_mm(xs, t.to(z.dtype).transpose(-2, -1), offs=offs) for t in (w1, w3))
+            h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+            y = torch._grouped_mm(h, w2.to(z.dtype).transpose(-2, -1), offs=offs)
         else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
-            # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice.
+            # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice;
+            # the activation runs once over all slots, as on the GPU path.
             sizes = counts.tolist()
+            live = [e for e in range(E) if sizes[e]]
             w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
-            outs = [glu_act(xe @ w1s[e].t(), xe @ w3s[e].t(), self.act, self.beta, self.beta_lin) @ w2s[e].t()
-                    for e, xe in enumerate(xs.split(sizes)) if sizes[e]]
-            y = torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
-        contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
-        return torch.zeros(N, y.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, contrib)
+            xe = xs.split(sizes)
+            if live:
+                a = torch.cat([xe[e] @ w1s[e].t() for e in live])
+                b = torch.cat([xe[e] @ w3s[e].t() for e in live])
+                he = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin).split([sizes[e] for e in live])
+                y = torch.cat([h @ w2s[e].t() for h, e in zip(he, live)])
+            else:
+                y = xs.new_zeros(0, w2.shape[1])
+        return self.kernels.combine(y, w.float(), order, inv)
 
 
 class LatentMoE(nn.Module):

@@ -1,0 +1,354 @@
+"""The model's hot elementwise regions as autograd Functions with hand-derived backwards.
+
+Each region is a pair of pure functions, ``fwd(inputs) -> (output, saved)`` and
+``bwd(grad_output, *saved) -> input grads``, that does exactly the maths of the plain reference in
+:mod:`k3.model.common` (fp32 where the spec asks for it, same casts). A :class:`Kernels` table
+holds one set of pairs: :data:`EAGER` runs them as ordinary PyTorch; ``Kernels(compiled=True)``
+runs each fwd and each bwd through ``torch.compile`` (inference graphs: Inductor fuses every
+region into one or two kernels, no AOTAutograd partitioning needed). Modules hold a table in their
+``kernels`` attribute (class default :data:`EAGER`); :func:`k3.model.compile.compile_model` swaps
+it for a compiled one.
+
+Eager pairs save the intermediates a fused kernel would recompute (fewer eager passes in the
+backward); compiled pairs save only the inputs and recompute (less memory, same kernel count).
+Regions whose backward autograd already derives well (the router, the MLA output gate, the
+short-conv epilogue) are plain functions, compiled with autograd when the table is compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# --------------------------------------------------------------------------------------------
+# SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype
+
+
+def situ_fwd_save(a: Tensor, b: Tensor, beta: float, beta_lin: float) -> tuple[Tensor, tuple]:
+    af, bf = a.float(), b.float()
+    ta, sa, tb = torch.tanh(af / beta), torch.sigmoid(af), torch.tanh(bf / beta_lin)
+    act = beta * ta * sa * (beta_lin * tb)
+    return act.to(a.dtype), (ta, sa, tb, a.new_empty(0), b.new_empty(0))
+
+
+def situ_fwd_recompute(a: Tensor, b: Tensor, beta: float, beta_lin: float) -> tuple[Tensor, tuple]:
+    af, bf = a.float(), b.float()
+    act = beta * torch.tanh(af / beta) * torch.sigmoid(af) * (beta_lin * torch.tanh(bf / beta_lin))
+    return act.to(a.dtype), (None, None, None, a, b)
+
+
+def situ_bwd(go: Tensor, ta: Tensor | None, sa: Tensor | None, tb: Tensor | None, a: Tensor, b: Tensor,
+             beta: float, beta_lin: float) -> tuple[Tensor, Tensor]:
+    """d/da [beta tanh(a/beta) sigmoid(a)] = (1 - ta^2) sa + beta ta sa (1 - sa); d/db [bl tanh(b/bl)] = 1 - tb^2."""
+    if ta is None:
+        af, bf = a.float(), b.float()
+        ta, sa, tb = torch.tanh(af / beta), torch.sigmoid(af), torch.tanh(bf / beta_lin)
+    g = go.float()
+    left = beta * ta * sa
+    d_left = (1 - ta * ta) * sa + left * (1 - sa)
+    ga = g * (beta_lin * tb) * d_left
+    gb = g * left * (1 - tb * tb)
+    return ga.to(a.dtype), gb.to(b.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm with optional sigmoid output gate (KimiRMSNorm; KDA's gated o_norm)
+
+
+def norm_fwd(x: Tensor, w: Tensor | None, gate: Tensor | None, eps: float, round_normed: bool,
+             out_dtype: torch.dtype) -> tuple[Tensor, tuple]:
+    """out = cast(w * n [* sigmoid(gate)]), n = x_f32 * rsqrt(mean(x_f32^2) + eps), rounded to x's dtype
+    first when round_normed (KimiRMSNorm); w: [D] or None; gate: x-shaped or None."""
+    xf = x.float()
+    r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    n = xf * r
+    if round_normed:
+        n = n.to(x.dtype)
+    y = n if w is None else w * n
+    if gate is not None:
+        y = y.float() * torch.sigmoid(gate.float())
+    return y.to(out_dtype), (x, w, gate, r)
+
+
+def norm_bwd(go: Tensor, x: Tensor, w: Tensor | None, gate: Tensor | None, r: Tensor, round_normed: bool
+             ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """dx = r * (gn - n * mean(gn * n)), gn = grad w.r.t. the normalised value (rounding: identity)."""
+    g = go.float()
+    xf = x.float()
+    n = xf * r
+    n_used = n.to(x.dtype).float() if round_normed else n
+    ggate = None
+    if gate is not None:
+        s = torch.sigmoid(gate.float())
+        y = n_used if w is None else w.float() * n_used
+        ggate = (g * y * s * (1 - s)).to(gate.dtype)
+        g = g * s
+    gw = None
+    if w is not None:
+        gw = (g * n_used).reshape(-1, n.shape[-1]).sum(0).to(w.dtype)
+        g = g * w.float()
+    gx = r * (g - n * (g * n).mean(-1, keepdim=True))
+    return gx.to(x.dtype), gw, ggate
+
+
+# --------------------------------------------------------------------------------------------
+# Block AttnRes mix: logit_i = (V_i . w) * rsqrt(mean(V_i^2) + eps), p = softmax_i, mix = sum_i p_i V_i
+
+
+def res_fwd(cands: list[Tensor], w: Tensor, eps: float) -> tuple[Tensor, tuple]:
+    """cands: n tensors [..., d] (any float dtypes); w = w_norm * w_proj [d] fp32. Returns the fp32 mix
+    cast to the last candidate's dtype, and (p, r, s) [n, ...] fp32 for the backward."""
+    vf = [c.float() for c in cands]
+    s = torch.stack([v @ w for v in vf])
+    r = torch.stack([torch.rsqrt(v.square().mean(-1) + eps) for v in vf])
+    p = torch.softmax(s * r, dim=0)
+    out = vf[0] * p[0].unsqueeze(-1)
+    for i in range(1, len(vf)):
+        out = out + vf[i] * p[i].unsqueeze(-1)
+    return out.to(cands[-1].dtype), (p, r, s)
+
+
+def res_bwd(go: Tensor, cands: list[Tensor], w: Tensor, p: Tensor, r: Tensor, s: Tensor
+            ) -> tuple[list[Tensor], Tensor]:
+    """Grads of every candidate (its dtype) and of w (fp32 [d]).
+
+    d logit_i / d V_i = r_i w - s_i r_i^3 V_i / d; the softmax gives glogit_i = p_i (gp_i - sum_j p_j gp_j)
+    with gp_i = g . V_i."""
+    g = go.float()
+    d = g.shape[-1]
+    vf = [c.float() for c in cands]
+    gp = torch.stack([(g * v).sum(-1) for v in vf])
+    glog = p * (gp - (p * gp).sum(0, keepdim=True))
+    a = glog * r  # coefficient of w
+    c = a * s * r * r / d  # coefficient of -V_i
+    grads = [(g * p[i].unsqueeze(-1) + a[i].unsqueeze(-1) * w - c[i].unsqueeze(-1) * vf[i]).to(cands[i].dtype)
+             for i in range(len(vf))]
+    gw = sum((a[i].unsqueeze(-1) * vf[i]).reshape(-1, d).sum(0) for i in range(len(vf)))
+    return grads, gw
+
+
+# --------------------------------------------------------------------------------------------
+# MoE combine: out[t] = sum_j w[t, j] * y[slot of (t, j)] in fp32 (expert outputs keep their dtype)
+
+
+def combine_fwd(y: Tensor, w: Tensor, inv: Tensor) -> tuple[Tensor, tuple]:
+    """y: [N*k, L] expert outputs in expert-sorted order; w: [N, k] fp32; inv: [N*k] sorted slot of each
+    (token, choice). Returns [N, L] fp32."""
+    N, k = w.shape
+    yt = y.index_select(0, inv).view(N, k, y.shape[-1])
+    return (yt * w.unsqueeze(-1)).sum(1), (yt, w)
+
+
+def combine_bwd(go: Tensor, yt: Tensor, w: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+    g = go.float().unsqueeze(1)  # [N, 1, L]
+    gw = (yt * g).sum(-1)
+    gyt = (g * w.unsqueeze(-1)).to(yt.dtype)
+    return gyt.flatten(0, 1).index_select(0, order), gw
+
+
+# --------------------------------------------------------------------------------------------
+# Plain regions (autograd derives the backward; compiled with AOTAutograd when the table is)
+
+
+def router_select(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Sigmoid router: x [N, d] -> (ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32)."""
+    scores = torch.sigmoid(x.float() @ weight.float().t())
+    choice = (scores + bias.float()).detach()
+    idx = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    w = scores.gather(-1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return idx, w * scaling, scores
+
+
+def sigmoid_gate(x: Tensor, gate: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """(x_f32 * sigmoid(gate_f32)) cast to out_dtype (the MLA output gate)."""
+    return (x.float() * torch.sigmoid(gate.float())).to(out_dtype)
+
+
+def silu_streams(y: Tensor, streams: int, out_dtype: torch.dtype) -> Tensor:
+    """Short-conv epilogue: y [B, S*C, T] fp32 -> SiLU, cast, laid out [S, B, T, C] contiguous."""
+    B, SC, T = y.shape
+    out = F.silu(y).view(B, streams, SC // streams, T).permute(1, 0, 3, 2)
+    return out.to(out_dtype, memory_format=torch.contiguous_format)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd wrappers
+
+
+class _SiTU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, beta, beta_lin, kern):  # noqa: ANN001 - autograd signature
+        out, saved = kern.situ_fwd(a, b, beta, beta_lin)
+        ctx.save_for_backward(*(t if t is not None else a.new_empty(0) for t in saved))
+        ctx.none = tuple(t is None for t in saved)
+        ctx.args = (beta, beta_lin, kern)
+        return out
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        saved = [None if none else t for t, none in zip(ctx.saved_tensors, ctx.none)]
+        beta, beta_lin, kern = ctx.args
+        ga, gb = kern.situ_bwd(go, *saved, beta, beta_lin)
+        return ga, gb, None, None, None
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, gate, eps, round_normed, out_dtype, kern):  # noqa: ANN001
+        out, (x, w, gate, r) = kern.norm_fwd(x, w, gate, eps, round_normed, out_dtype)
+        ctx.save_for_backward(x, w, gate, r)
+        ctx.args = (round_normed, kern)
+        return out
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        x, w, gate, r = ctx.saved_tensors
+        round_normed, kern = ctx.args
+        gx, gw, ggate = kern.norm_bwd(go, x, w, gate, r, round_normed)
+        return gx, gw, ggate, None, None, None, None
+
+
+class _AttnRes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w_norm, w_proj, eps, kern, *cands):  # noqa: ANN001
+        w = w_norm.float() * w_proj.float().reshape(-1)
+        out, (p, r, s) = kern.res_fwd(list(cands), w, eps)
+        ctx.save_for_backward(w_norm, w_proj, w, p, r, s, *cands)
+        ctx.kern = kern
+        return out
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        w_norm, w_proj, w, p, r, s, *cands = ctx.saved_tensors
+        grads, gw = ctx.kern.res_bwd(go, cands, w, p, r, s)
+        g_norm = (gw * w_proj.float().reshape(-1)).to(w_norm.dtype).reshape(w_norm.shape)
+        g_proj = (gw * w_norm.float()).to(w_proj.dtype).reshape(w_proj.shape)
+        return (g_norm, g_proj, None, None, *grads)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, w, order, inv, kern):  # noqa: ANN001
+        out, (yt, w) = kern.combine_fwd(y, w, inv)
+        ctx.save_for_backward(yt, w, order)
+        ctx.kern = kern
+        return out
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        yt, w, order = ctx.saved_tensors
+        gy, gw = ctx.kern.combine_bwd(go, yt, w, order)
+        return gy, gw, None, None, None
+
+
+class _Dispatch(torch.autograd.Function):
+    """rows of z repeated per choice, in expert-sorted order; backward gathers (no atomics) and sums."""
+
+    @staticmethod
+    def forward(ctx, z, order, inv, k):  # noqa: ANN001
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return z.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv).view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+def linear_multi(x: Tensor, groups: list[list[Tensor]]) -> list[Tensor]:
+    """For each group of weights [W_1, ..., W_m], x @ [W_1; ...; W_m]^T (no biases), i.e. the group's
+    outputs side by side. While training this is one GEMM against all weights concatenated, split once
+    (its backward is one cat): one input-gradient GEMM, no accumulation passes over x's gradient.
+    Without autograd (serving) each weight is used in place and a group's outputs are concatenated:
+    copying every weight per call costs more than it saves at decode."""
+    if not torch.is_grad_enabled():
+        return [F.linear(x, g[0]) if len(g) == 1 else torch.cat([F.linear(x, w) for w in g], dim=-1)
+                for g in groups]
+    out = F.linear(x, torch.cat([w for g in groups for w in g]))
+    return list(out.split([sum(w.shape[0] for w in g) for g in groups], dim=-1))
+
+
+def dispatch(z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
+    """z [N, L] -> [N*k, L]: row i is z[order[i] // k] (the token of the i-th expert-sorted slot).
+    order: [N*k] stable argsort of the flattened expert ids; inv: its inverse permutation."""
+    return _Dispatch.apply(z, order, inv, k)
+
+
+def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Expert ids [N, k] -> (order, inv): the stable expert-sorted order of the N*k slots and its inverse."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inv
+
+
+# --------------------------------------------------------------------------------------------
+# the table
+
+
+class Kernels:
+    """One implementation of every hot region; modules call through their ``kernels`` attribute.
+
+    compiled=False: plain PyTorch. compiled=True: each fwd/bwd/plain region wrapped in
+    ``torch.compile(fullgraph=True, backend=backend, mode=mode)``.
+    """
+
+    def __init__(self, compiled: bool = False, backend: str | Callable = "inductor", mode: str | None = None) -> None:
+        self.compiled = compiled
+
+        opts: dict[str, Any] = {"fullgraph": True, "backend": backend}
+        if mode is not None:
+            opts["mode"] = mode
+
+        def wrap(fn: Callable) -> Callable:
+            return torch.compile(fn, **opts) if compiled else fn
+
+        self.situ_fwd = wrap(situ_fwd_recompute if compiled else situ_fwd_save)
+        self.situ_bwd = wrap(situ_bwd)
+        self.norm_fwd, self.norm_bwd = wrap(norm_fwd), wrap(norm_bwd)
+        self.res_fwd, self.res_bwd = wrap(res_fwd), wrap(res_bwd)
+        self.combine_fwd, self.combine_bwd = wrap(combine_fwd), wrap(combine_bwd)
+        self.router_select, self.sigmoid_gate = wrap(router_select), wrap(sigmoid_gate)
+        self.silu_streams = wrap(silu_streams)
+
+    def __repr__(self) -> str:
+        return f"Kernels(compiled={self.compiled})"
+
+    # -- module-facing API --------------------------------------------------------------------
+    def glu(self, a: Tensor, b: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
+        """GLU activation of gate a and up b ([..., I]); SiTU (fp32 maths) or SiLU. Returns a's dtype."""
+        if act == "situ":
+            return _SiTU.apply(a, b, float(beta), float(beta_lin), self)
+        return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+    def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        """KimiRMSNorm (see k3.model.common.rms_norm): x [..., D] -> x's dtype."""
+        return _Norm.apply(x, weight, None, float(eps), True, x.dtype, self)
+
+    def gated_rms_norm(self, x: Tensor, weight: Tensor, gate: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+        """cast_out(rms_norm(x_f32, weight) * sigmoid(gate_f32)), all fp32 (KDA's o_norm + output gate)."""
+        return _Norm.apply(x, weight, gate, float(eps), False, out_dtype, self)
+
+    def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
+        """Block-AttnRes mix (see k3.model.common.attn_res_mix)."""
+        if len(cands) == 1:
+            return cands[0]
+        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
+
+    def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:
+        """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L] fp32."""
+        return _Combine.apply(y, w, order, inv, self)
+
+
+EAGER = Kernels()
+
+
+def uses_kernels(module: Any) -> bool:
+    return isinstance(getattr(module, "kernels", None), Kernels)
