@@ -54,16 +54,18 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
 def conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Packed rows whose causal window would reach into the previous document: the first W-1 tokens
-    of every document (clamped into range; a short document's extra rows are rows of the next one,
-    handled by the same per-row rule). Returns (rows [R], in-document mask of their W taps [R, W]),
-    or None for row input (plain zero padding is already exact)."""
+    of every document. Returns (rows [N*(W-1)], in-document mask of their W taps [N*(W-1), W]), or
+    None for row input (the conv's zero padding is already exact). A document shorter than W-1 has
+    fewer such rows; its spare entries point at row `total` (a scratch row), so the real rows are
+    distinct and each gets its value (and gradient) once."""
     if layout.cu_seqlens is None:
         return None
     starts = layout.cu_seqlens[:-1].to(device, torch.long)
-    rows = (starts[:, None] + torch.arange(width - 1, device=device)).clamp(max=total - 1).flatten()
+    p = torch.arange(width - 1, device=device)
+    rows = torch.where(p < layout.new_lens.to(device)[:, None], starts[:, None] + p, total).flatten()
     _, pos = layout.token_seq_pos(total)
     taps = torch.arange(width, device=device) - (width - 1)  # source offset of tap j
-    return rows, pos.index_select(0, rows)[:, None] + taps >= 0
+    return rows, pos.index_select(0, rows.clamp(max=total - 1))[:, None] + taps >= 0
 
 
 def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, streams: int,
@@ -81,14 +83,14 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
     xt = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, C, T]
     w = weight.float()
     with torch.autocast(x.device.type, enabled=False):
-        y = torch.nn.functional.conv1d(xt, w, padding=W - 1, groups=C)[..., :T]
+        y = torch.nn.functional.conv1d(xt, w, padding=W - 1, groups=C)  # [B, C, T + W - 1], first T causal
     fix = conv_fix_rows(layout, T, W, x.device)
     if fix is not None:
         rows, keep = fix
-        src = (rows[:, None] + torch.arange(W, device=x.device) - (W - 1)).clamp(min=0)  # [R, W]
+        src = (rows[:, None] + torch.arange(W, device=x.device) - (W - 1)).clamp(0, T - 1)  # [R, W]
         taps = xt[0][:, src] * (w.reshape(C, 1, W) * keep)  # [C, R, W]
-        y[0].index_copy_(1, rows, taps.sum(-1))
-    return kernels.silu_streams(y, streams, x.dtype)
+        y[0].index_copy_(1, rows, taps.sum(-1))  # row T (spare entries) lies outside the kept [:T]
+    return kernels.silu_streams(y[..., :T], streams, x.dtype)
 
 
 class KDAttention(nn.Module):

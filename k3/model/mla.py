@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
 from k3.model.common import RMSNorm
+from k3.model.fused import EAGER, Kernels
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
@@ -20,6 +21,8 @@ class GatedMLA(nn.Module):
 
     Input x: [B, T, d]; output [B, T, d].
     """
+
+    kernels: Kernels = EAGER
 
     def __init__(self, config: TextConfig, layer_idx: int) -> None:
         super().__init__()
@@ -66,7 +69,7 @@ class GatedMLA(nn.Module):
         B, T = attn.shape[:2]
         attn = attn.reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
-            attn = (attn.float() * torch.sigmoid(self.g_proj(x).float())).to(x.dtype)
+            attn = self.kernels.sigmoid_gate(attn, self.g_proj(x), x.dtype)
         return self.o_proj(attn)
 
     def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
@@ -79,10 +82,16 @@ class GatedMLA(nn.Module):
     # -- attention without a cache -------------------------------------------------------------
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """Causal attention over [B, T] rows, block-diagonal per document when packed."""
+        tmax = int(layout.new_lens.max()) if layout.cu_seqlens is not None else 0
+        if tmax * layout.num_seqs == q.shape[1] > 0:
+            # Equal-length documents: the packed row [1, N*L] is N rows [N, L], a view (no gather/scatter).
+            q, k, v = (t.reshape(layout.num_seqs, tmax, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
+            o = _sdpa(q, k, v, None, causal=True, scale=self.scale).transpose(1, 2)
+            return o.reshape(1, layout.num_seqs * tmax, *o.shape[2:])
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, *]
         if layout.cu_seqlens is None:
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale)
-        elif layout.num_seqs * int(layout.new_lens.max()) ** 2 < q.shape[2] ** 2:
+        elif layout.num_seqs * tmax ** 2 < q.shape[2] ** 2:
             # Re-pad documents to [N, Tmax] (padding at the end, so plain causal masking is exact):
             # N * Tmax^2 work instead of total^2 for a block-diagonal mask over the packed row.
             q, k, v = (_to_padded(t.transpose(1, 2), layout).transpose(1, 2) for t in (q, k, v))

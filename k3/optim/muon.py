@@ -30,6 +30,16 @@ The 0.2*sqrt(max(m, n)) factor makes the update RMS match AdamW's (Moonlight, "M
 Scalable"), using the *block* shape, so a [K, d] head slice is scaled like a [K, d] matrix.
 Newton-Schulz runs batched: all blocks of one shape (across every parameter and group) are
 stacked and go through one batched call.
+
+The step is launch-light: plain (non-DTensor) Muon parameters live in persistent per-shape stacks
+(:class:`_Bucket`): the fp32 momentum buffers are views into one [blocks, m, n] tensor per shape, so
+a bucket's momentum update, Nesterov update and Newton-Schulz are one kernel each (plus the five
+quintic steps) with no per-step cat; gradients arrive with one ``_foreach_copy_``, and weight decay
+and the update go out with ``_foreach_mul_`` / ``_foreach_add_``. ``cols`` blocks are stored as row
+blocks of the transposed parameter (NS(X^T) = NS(X)^T, exactly what Newton-Schulz does to tall
+blocks anyway), so every block is a contiguous slice. AdamW uses ``torch._foreach_*`` too. Sharded
+(DTensor) parameters take the per-parameter path through the ``_full``/``_apply_delta``/``_local``
+hooks that k3.distributed overrides.
 """
 
 from __future__ import annotations
@@ -181,6 +191,83 @@ class _Pending(NamedTuple):
     blocks: Tensor  # [nb, m, n] nesterov momentum blocks
 
 
+def _stackable(p: Tensor) -> bool:
+    """Plain dense tensors can live in bucket stacks; DTensors and other subclasses cannot."""
+    return type(p.data) is torch.Tensor and p.layout == torch.strided
+
+
+def _bucket_block(spec: tuple[str, int], shape: torch.Size) -> tuple[int, int, int]:
+    """(number of blocks, m, n) of a parameter's blocks as stored in a bucket ('cols': of its transpose)."""
+    kind, block = spec
+    if kind == "cols":
+        return shape[1] // block, block, shape[0]
+    if kind == "rows":
+        return shape[0] // block, block, shape[1]
+    if kind == "experts":
+        return shape[0], shape[1], shape[2]
+    return 1, shape[0], shape[1]
+
+
+def _param_view(blocks: Tensor, spec: tuple[str, int], shape: torch.Size) -> Tensor:
+    """Contiguous bucket slice [nb, m, n] -> a parameter-shaped view of it."""
+    if spec[0] == "cols":
+        return blocks.reshape(shape[1], shape[0]).t()
+    return merge_blocks(blocks, spec, shape)
+
+
+def _foreach_by_layout(fn, dst: list[Tensor], src: list[Tensor], **kwargs: Any) -> None:
+    """fn(dst, src) in two calls: pairs with matching strides and dtypes (the multi-tensor fast path)
+    and the rest (per-tensor kernels inside one call)."""
+    fast = [(d, s) for d, s in zip(dst, src) if d.stride() == s.stride() and d.dtype == s.dtype]
+    slow = [(d, s) for d, s in zip(dst, src) if d.stride() != s.stride() or d.dtype != s.dtype]
+    for part in (fast, slow):
+        if part:
+            fn([d for d, _ in part], [s for _, s in part], **kwargs)
+
+
+def _decay(params: list[Tensor], factor: float) -> None:
+    """params *= factor. Multi-tensor for fp32; per tensor otherwise (the CPU foreach kernel rounds the
+    scalar to a bf16 parameter's dtype: 0.998 would become 0.996)."""
+    exact = [p for p in params if p.dtype == torch.float32]
+    if exact:
+        torch._foreach_mul_(exact, factor)
+    for p in params:
+        if p.dtype != torch.float32:
+            p.mul_(factor)
+
+
+class _Bucket:
+    """Stacked Muon state of every plain parameter whose blocks have one shape and one NS setting.
+
+    mom / grad: fp32 [total_blocks, m, n]; each member's optimizer state "momentum_buffer" is a
+    parameter-shaped view of `mom` (checkpoints see ordinary per-parameter state)."""
+
+    def __init__(self, key: tuple, members: list[tuple[Tensor, dict, tuple[str, int]]],
+                 state: dict) -> None:
+        self.key = key
+        (self.m, self.n), device = key[0], key[1]
+        self.members = members
+        counts = [_bucket_block(spec, p.shape)[0] for p, _, spec in members]
+        self.offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        total = self.offsets[-1]
+        self.mom = torch.zeros(total, self.m, self.n, dtype=torch.float32, device=device)
+        self.grad = torch.empty_like(self.mom)
+        self.mom_views = self.views(self.mom)
+        self.grad_views = self.views(self.grad)
+        for (p, _, _), view in zip(members, self.mom_views):
+            old = state[p].get("momentum_buffer")
+            if old is not None:
+                view.copy_(old)
+            state[p]["momentum_buffer"] = view
+
+    def views(self, stack: Tensor) -> list[Tensor]:
+        return [_param_view(stack[self.offsets[i]: self.offsets[i + 1]], spec, p.shape)
+                for i, (p, _, spec) in enumerate(self.members)]
+
+    def valid(self, state: dict) -> bool:
+        return all(state[p].get("momentum_buffer") is v for (p, _, _), v in zip(self.members, self.mom_views))
+
+
 class PerHeadMuon(torch.optim.Optimizer):
     """Muon (block-wise, batched Newton-Schulz) + AdamW in one optimizer.
 
@@ -226,6 +313,8 @@ class PerHeadMuon(torch.optim.Optimizer):
         groups = list(params)
         if not groups or not all(isinstance(g, dict) for g in groups):
             raise ValueError("params: expected a non-empty list of param-group dicts with a 'kind' key")
+        self._buckets: list[_Bucket] = []
+        self._bucket_key: tuple = ()
         super().__init__(groups, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -251,14 +340,17 @@ class PerHeadMuon(torch.optim.Optimizer):
         return [_check_spec(s, p.shape, f"muon param {n}") for s, p, n in zip(specs, params, names)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Like torch's, but state stays exact fp32: torch would round it to a bf16 param's dtype."""
+        """Like torch's, but state stays exact fp32 (torch would round it to a bf16 param's dtype) and
+        is always copied (torch keeps the given step counters, which the step increments in place)."""
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, p in zip(ids, params):
             for key, value in saved.get(idx, {}).items():
-                if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                if key == "step" and torch.is_tensor(value):
+                    self.state[p][key] = value.to(dtype=torch.float32, copy=True)
+                elif torch.is_tensor(value) and value.is_floating_point():
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
     @torch.no_grad()
@@ -269,32 +361,87 @@ class PerHeadMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pending: list[_Pending] = []
+        stacked: list[tuple[Tensor, dict, tuple[str, int]]] = []
         for group in self.param_groups:
-            if group["kind"] == "muon":
-                pending.extend(self._muon_momentum(group))
-            else:
+            if group["kind"] != "muon":
                 self._adamw_step(group)
+                continue
+            for p, spec in zip(group["params"], group["block_specs"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("PerHeadMuon does not support sparse gradients")
+                if self._use_stacks(p):
+                    stacked.append((p, group, spec))
+                else:
+                    pending.append(self._muon_momentum(p, group, spec))
         self._apply_muon(pending)
+        for bucket in self._plan(stacked):
+            self._bucket_step(bucket)
         return loss
 
-    def _muon_momentum(self, group: dict[str, Any]) -> list[_Pending]:
-        """Update momentum buffers; return the Nesterov update of each param, split into blocks."""
-        out = []
+    # ---- stacked path (plain tensors) ------------------------------------------------------------
+    def _use_stacks(self, p: Tensor) -> bool:
+        """Whether p takes the stacked path (plain dense tensors) or the per-parameter hooks."""
+        return _stackable(p)
+
+    @staticmethod
+    def _ns_key(p: Tensor, group: dict, spec: tuple[str, int]) -> tuple:
+        _, m, n = _bucket_block(spec, p.shape)
+        return ((m, n), p.device, _resolve_ns_dtype(group["ns_dtype"], p.device), group["ns_steps"],
+                tuple(group["ns_coefficients"]), group["eps"], group["momentum"], group["nesterov"])
+
+    def _plan(self, items: list[tuple[Tensor, dict, tuple[str, int]]]) -> list[_Bucket]:
+        """The buckets for this step's parameters; rebuilt when the set of parameters with gradients,
+        their settings, or their state (e.g. after load_state_dict) changed."""
+        keys = [self._ns_key(p, g, spec) for p, g, spec in items]
+        key = tuple((id(p), k) for (p, _, _), k in zip(items, keys))
+        if key != self._bucket_key or not all(b.valid(self.state) for b in self._buckets):
+            groups: dict[tuple, list] = {}
+            for item, k in zip(items, keys):
+                groups.setdefault(k, []).append(item)
+            self._buckets = [_Bucket(k, members, self.state) for k, members in groups.items()]
+            self._bucket_key = key
+        return self._buckets
+
+    def _bucket_step(self, b: _Bucket) -> None:
+        """Momentum, Nesterov, one batched Newton-Schulz, decay and update for a whole bucket."""
+        _, _, dtype, steps, coeffs, eps, mu, nesterov = b.key
+        _foreach_by_layout(torch._foreach_copy_, b.grad_views, [p.grad for p, _, _ in b.members])
+        b.mom.lerp_(b.grad, 1 - mu)
+        update = b.grad.lerp_(b.mom, mu) if nesterov else b.mom
+        ortho = newton_schulz(update, steps, coeffs, eps, dtype)
+        scale = 0.2 * math.sqrt(max(b.m, b.n))
+        by_group: dict[int, list[int]] = {}
+        for i, (_, group, _) in enumerate(b.members):
+            by_group.setdefault(id(group), []).append(i)
+        cast: dict[torch.dtype, list[Tensor]] = {}
+        for members in by_group.values():
+            group = b.members[members[0]][1]
+            lr, wd = group["lr"], group["weight_decay"]
+            params = [b.members[i][0] for i in members]
+            deltas = []
+            for i in members:
+                dt = b.members[i][0].dtype
+                if dt not in cast:
+                    cast[dt] = b.views(ortho if ortho.dtype == dt else ortho.to(dt))
+                deltas.append(cast[dt][i])
+            if wd != 0:
+                _decay(params, 1 - lr * wd)
+            _foreach_by_layout(torch._foreach_add_, params, deltas, alpha=-lr * scale)
+
+    # ---- per-parameter path (sharded parameters) ----------------------------------------------------
+    def _muon_momentum(self, p: Tensor, group: dict[str, Any], spec: tuple[str, int]) -> _Pending:
+        """Update p's momentum buffer; return its Nesterov update, split into blocks."""
         mu = group["momentum"]
-        for p, spec in zip(group["params"], group["block_specs"]):
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("PerHeadMuon does not support sparse gradients")
-            grad = p.grad.float()
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            out.append(_Pending(p, group, spec, split_blocks(self._full(update), spec)))
-        return out
+        grad = p.grad.float()
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if group["nesterov"] else buf
+        return _Pending(p, group, spec, split_blocks(self._full(update), spec))
 
     # ---- hooks for sharded parameters (k3.distributed overrides these three) --------------------
     def _full(self, update: Tensor) -> Tensor:
@@ -331,9 +478,10 @@ class PerHeadMuon(torch.optim.Optimizer):
                                   item.group["lr"], item.group["weight_decay"], scale)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
-        """Standard AdamW (bias-corrected moments, decoupled weight decay), fp32 state."""
+        """Standard AdamW (bias-corrected moments, decoupled weight decay), fp32 state, foreach kernels."""
         beta1, beta2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["adam_eps"]
+        params, grads, avgs, sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -344,14 +492,28 @@ class PerHeadMuon(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["step"] += 1
-            t = float(state["step"])
-            w, grad = self._local(p), self._local(p.grad).float()
-            exp_avg, exp_avg_sq = self._local(state["exp_avg"]), self._local(state["exp_avg_sq"])
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            step_size = lr / (1 - beta1**t)
-            denom = (exp_avg_sq / (1 - beta2**t)).sqrt_().add_(eps)
-            if wd != 0:
-                w.mul_(1 - lr * wd)
-            w.add_((exp_avg / denom).to(w.dtype), alpha=-step_size)
+            params.append(self._local(p))
+            grad = self._local(p.grad)
+            grads.append(grad if grad.dtype == torch.float32 else grad.float())
+            avgs.append(self._local(state["exp_avg"]))
+            sqs.append(self._local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if not params:
+            return
+        torch._foreach_add_(steps, 1)
+        t = [float(s) for s in steps]  # host-side scalars (step counters live on the CPU)
+        torch._foreach_lerp_(avgs, grads, 1 - beta1)
+        torch._foreach_mul_(sqs, beta2)
+        torch._foreach_addcmul_(sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_div(sqs, [1 - beta2**n for n in t])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        if wd != 0:
+            _decay(params, 1 - lr * wd)
+        sizes = [-lr / (1 - beta1**n) for n in t]
+        if all(w.dtype == torch.float32 for w in params):
+            torch._foreach_addcdiv_(params, avgs, denom, sizes)
+        else:
+            upd = torch._foreach_div(avgs, denom)
+            torch._foreach_mul_(upd, sizes)
+            _foreach_by_layout(torch._foreach_add_, params, upd)

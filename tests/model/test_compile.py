@@ -1,0 +1,79 @@
+"""compile_model: the compiled elementwise regions give the eager results.
+
+The whole k3-tiny is traced with the `aot_eager` backend (Dynamo + AOTAutograd, every region with
+fullgraph=True, so any graph break fails); Inductor code generation is exercised on one region
+(compiling all of k3-tiny with Inductor takes minutes on 2 CPU cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.config import apply_overrides, k3_tiny
+from k3.model.causal_lm import K3ForCausalLM
+from k3.model.common import situ_glu
+from k3.model.compile import compile_model, uncompile_model
+from k3.model.fused import EAGER, Kernels
+
+FP32 = dict(atol=2e-5, rtol=1e-4)  # rounding order of fused regions vs eager kernels
+
+
+def _model() -> K3ForCausalLM:
+    """k3-tiny cut to 3 layers (dense KDA, KDA + MoE, MLA + MoE; AttnRes blocks of 2, so mixes of 2 and
+    3 candidates): every region and variant of the full model, half the tracing time."""
+    torch.manual_seed(0)
+    cfg = apply_overrides(k3_tiny(), {"num_hidden_layers": 3, "attn_res_block_size": 2,
+                                      "linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2]}})
+    m = K3ForCausalLM(cfg).init_weights(seed=0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("res_proj.weight"):
+                p.normal_(0, 0.1)
+    return m
+
+
+def _loss_and_grads(m: K3ForCausalLM, ids: torch.Tensor, cu: torch.Tensor) -> dict[str, torch.Tensor]:
+    out = m(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu)
+    out.loss.backward()
+    res = {"loss": out.loss.detach(), "logits": out.logits.detach()}
+    res.update({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    m.zero_grad(set_to_none=True)
+    return res
+
+
+def test_compiled_model_equals_eager():
+    m = _model()
+    ids = torch.randint(0, 4096, (1, 41))
+    cu = torch.tensor([0, 2, 25, 40], dtype=torch.int32)  # a document shorter than the conv window
+    eager = _loss_and_grads(m, ids, cu)
+    compile_model(m, backend="aot_eager")
+    assert all(mod.kernels.compiled for mod in m.modules() if hasattr(mod, "kernels"))
+    compiled = _loss_and_grads(m, ids, cu)
+    assert eager.keys() == compiled.keys()
+    for name, want in eager.items():
+        torch.testing.assert_close(compiled[name], want, **FP32, msg=lambda s, n=name: f"{n}: {s}")
+    uncompile_model(m)
+    assert all(mod.kernels is EAGER for mod in m.modules() if hasattr(mod, "kernels"))
+
+
+def test_inductor_region_equals_eager():
+    kern = Kernels(compiled=True, backend="inductor")
+    ab = torch.randn(13, 2 * 24) * 5
+    a, b = ab.split(24, dim=-1)
+    a1, b1 = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    a2, b2 = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    go = torch.randn(13, 24)
+    got = kern.glu(a1, b1, "situ", 4.0, 25.0)
+    got.backward(go)
+    want = situ_glu(a2, b2, 4.0, 25.0)
+    want.backward(go)
+    torch.testing.assert_close(got, want, **FP32)
+    torch.testing.assert_close(a1.grad, a2.grad, **FP32)
+    torch.testing.assert_close(b1.grad, b2.grad, **FP32)
+
+
+def test_compile_model_errors():
+    with pytest.raises(ValueError, match="no K3 module"):
+        compile_model(torch.nn.Linear(2, 2), backend="aot_eager")
+    with pytest.raises(ValueError, match="mode"):
+        compile_model(_model(), backend="aot_eager", mode="max-autotune")

@@ -1,0 +1,203 @@
+"""The fused training regions (k3/model/fused.py) against the plain reference maths: outputs and
+gradients, fp32 and bf16, strided inputs, odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.config import k3_tiny
+from k3.model.cache import SeqLayout
+from k3.model.common import attn_res_mix, rms_norm, situ_glu
+from k3.model.fused import EAGER, Kernels, dispatch, linear_multi, sort_slots
+from k3.model.kda import causal_conv_silu, conv_silu_streams
+
+# (forward atol/rtol, gradient atol/rtol) per input dtype. fp32: rounding order only. bf16: the
+# hand-derived backward keeps gradients in fp32 where autograd rounds intermediates to bf16, so
+# gradients differ by a few bf16 ulps of the largest value.
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+GTOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
+RECOMPUTE = Kernels.__new__(Kernels)  # the compiled-mode pairs (recompute in the backward), run eagerly
+
+
+def _recompute_table() -> Kernels:
+    from k3.model import fused
+
+    k = Kernels()
+    k.situ_fwd = fused.situ_fwd_recompute
+    k.compiled = False
+    return k
+
+
+TABLES = [EAGER, _recompute_table()]
+
+
+def _grads(fn, inputs, go):
+    """Output and gradients of fn(*inputs) for the upstream gradient go."""
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None and t.is_floating_point() else t for t in inputs]
+    out = fn(*leaves)
+    out.backward(go)
+    return out.detach(), [t.grad if t is not None and t.is_floating_point() else None for t in leaves]
+
+
+def _check(fast, ref, inputs, dtype, go=None):
+    out_r, gr = _grads(ref, inputs, go if go is not None else torch.randn_like(ref(*inputs)))
+    go = go if go is not None else torch.randn_like(out_r)
+    out_r, gr = _grads(ref, inputs, go)
+    out_f, gf = _grads(fast, inputs, go)
+    assert out_f.dtype == out_r.dtype
+    torch.testing.assert_close(out_f, out_r, **TOL[dtype])
+    for a, b in zip(gf, gr):
+        if b is not None:
+            assert a is not None and a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **GTOL[dtype])
+
+
+@pytest.mark.parametrize("kern", TABLES, ids=["save", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_glu_matches_reference(kern, dtype):
+    ab = torch.randn(37, 2 * 19) * 6  # a (gate) and up as strided halves of one projection
+    ab[0] = 1e4  # saturated tanh
+    a, b = ab.to(dtype).split(19, dim=-1)
+    _check(lambda a, b: kern.glu(a, b, "situ", 4.0, 25.0), lambda a, b: situ_glu(a, b, 4.0, 25.0), [a, b], dtype)
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])
+def test_rms_norm_matches_reference(dtype, wdtype):
+    x = (torch.randn(3, 7, 48) * 5).to(dtype)
+    w = (torch.rand(48) + 0.5).to(wdtype)
+    _check(lambda x, w: EAGER.rms_norm(x, w, 1e-5), lambda x, w: rms_norm(x, w, 1e-5), [x, w], dtype)
+    assert torch.equal(EAGER.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))  # the forward is the same arithmetic
+
+
+def test_rms_norm_without_weight():
+    x = torch.randn(5, 33)
+    _check(lambda x: EAGER.rms_norm(x, None, 1e-6), lambda x: rms_norm(x, None, 1e-6), [x], torch.float32)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_gated_norm_matches_reference(dtype, out_dtype):
+    o = torch.randn(2, 9, 3, 32).to(dtype)
+    g = (torch.randn(2, 9, 96) * 3).to(dtype)[..., :96].reshape(2, 9, 3, 32)
+    w = torch.rand(32) + 0.5
+
+    def ref(o, w, g):
+        return (rms_norm(o.float(), w, 1e-5) * torch.sigmoid(g.float())).to(out_dtype)
+
+    _check(lambda o, w, g: EAGER.gated_rms_norm(o, w, g, 1e-5, out_dtype), ref, [o, w, g], dtype)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_mix_matches_reference(n, dtype):
+    d = 40
+    cands = [(torch.randn(2, 6, d) * s).to(torch.float32 if i == 0 else dtype)  # bank entries may be fp32
+             for i, s in enumerate([1.0, 3.0, 0.2, 7.0, 1.5][:n])]
+    wn, wp = torch.rand(d) + 0.5, torch.randn(1, d)
+
+    def fast(wn, wp, *c):
+        return EAGER.attn_res(list(c), wn, wp, 1e-5)
+
+    def ref(wn, wp, *c):
+        return attn_res_mix(list(c), wn, wp, 1e-5)
+
+    _check(fast, ref, [wn, wp, *cands], dtype)
+
+
+def _combine_ref(y, w, idx):
+    """The straightforward formulation: per-slot fp32 contributions scattered with index_add."""
+    N, k = idx.shape
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros(N, y.shape[1]).index_add_(0, order // k, contrib)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_and_combine_match_index_add(dtype):
+    N, k, E, L = 11, 3, 5, 24
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    order, inv = sort_slots(idx)
+    assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True))
+    assert torch.equal(order[inv], torch.arange(N * k))
+    z = torch.randn(N, L).to(dtype)
+    _check(lambda z: dispatch(z, order, inv, k), lambda z: z.index_select(0, order // k), [z], dtype)
+    y = torch.randn(N * k, L).to(dtype)
+    w = torch.rand(N, k)
+    _check(lambda y, w: EAGER.combine(y, w, order, inv), lambda y, w: _combine_ref(y, w, idx), [y, w], dtype)
+
+
+def test_combine_with_no_tokens():
+    idx = torch.zeros(0, 2, dtype=torch.long)
+    order, inv = sort_slots(idx)
+    out = EAGER.combine(torch.zeros(0, 8), torch.zeros(0, 2), order, inv)
+    assert out.shape == (0, 8) and out.dtype == torch.float32
+
+
+def _layout(cu: list[int] | None, B: int = 1, T: int | None = None) -> SeqLayout:
+    if cu is None:
+        return SeqLayout.build(B, T, None, None, torch.device("cpu"))
+    return SeqLayout.build(1, cu[-1], torch.tensor(cu), None, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cu", [[0, 1, 2, 4, 9, 17], [0, 17], [0, 5, 7, 17]])
+def test_conv_streams_matches_tap_sum_packed(cu):
+    C, W = 12, 4  # 3 streams of 4 channels; documents of length 1 and 2 are shorter than W-1
+    x = torch.randn(1, cu[-1], 2 * C)[..., :C]  # a strided slice, as from the fused projection
+    w = torch.randn(C, 1, W)
+    lay = _layout(cu)
+
+    def fast(x, w):
+        return conv_silu_streams(x, w, lay, 3).permute(1, 2, 0, 3).reshape(1, cu[-1], C)
+
+    def ref(x, w):
+        return causal_conv_silu(x, w, lay, None)[0]
+
+    _check(fast, ref, [x, w], torch.float32)
+
+
+def test_conv_streams_rows_bf16():
+    C, W = 6, 4
+    x = torch.randn(3, 10, C).to(torch.bfloat16)
+    w = torch.randn(C, 1, W)
+    lay = _layout(None, 3, 10)
+    got = conv_silu_streams(x, w, lay, 2)
+    assert got.shape == (2, 3, 10, 3) and got.is_contiguous() and got.dtype == torch.bfloat16
+    _check(lambda x, w: conv_silu_streams(x, w, lay, 2).permute(1, 2, 0, 3).reshape(3, 10, C),
+           lambda x, w: causal_conv_silu(x, w, lay, None)[0], [x, w], torch.bfloat16)
+
+
+def test_linear_multi_training_equals_serving():
+    x = torch.randn(2, 5, 16)
+    groups = [[torch.randn(4, 16), torch.randn(3, 16)], [torch.randn(6, 16)]]
+    train = linear_multi(x, groups)
+    with torch.no_grad():
+        serve = linear_multi(x, groups)
+    for a, b, g in zip(train, serve, groups):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, x @ torch.cat(g).t())
+
+
+def test_router_select_bias_only_selects():
+    from k3.model.fused import router_select
+
+    x, wt = torch.randn(9, 16), torch.randn(6, 16)
+    bias = torch.zeros(6)
+    bias[[1, 4]] = 50.0
+    idx, w, s = router_select(x, wt, bias, 2, True, 2.5)
+    assert (idx.sort(-1).values == torch.tensor([1, 4])).all()
+    torch.testing.assert_close(w.sum(-1), torch.full((9,), 2.5))
+    torch.testing.assert_close(s, torch.sigmoid(x @ wt.t()))
+
+
+def test_mla_equal_length_documents_equal_rows():
+    from k3.model.mla import GatedMLA
+
+    cfg = k3_tiny().text_config
+    torch.manual_seed(0)
+    mla = GatedMLA(cfg, 2)
+    x = torch.randn(3, 8, cfg.hidden_size)
+    rows = mla(x, _layout(None, 3, 8))
+    packed = mla(x.reshape(1, 24, -1), _layout([0, 8, 16, 24]))
+    torch.testing.assert_close(packed.reshape(3, 8, -1), rows, atol=1e-6, rtol=1e-5)
