@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--phases", default="train,optim,decode")
+    ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training phases)")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -69,6 +70,10 @@ def main() -> None:
     model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(device)
     if device.type == "cuda":
         model.set_kda_backend("triton")
+    if args.compile:
+        from k3.model.compile import compile_model
+
+        compile_model(model)
     opt = PerHeadMuon(build_param_groups(model, HeadGeometry.from_config(model.config.text_config), lr=1e-3,
                                          weight_decay=0.1))
     B = max(1, tokens // T)
@@ -94,6 +99,10 @@ def main() -> None:
         from k3.serve.sampling import SamplingParams
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if args.compile:
+            from k3.model.compile import uncompile_model
+
+            uncompile_model(model)  # serving stays eager (decode shapes change every step)
         model.to(dtype)
         eng = Engine(model, None, EngineConfig(memory_budget_bytes=8 << 30 if device.type == "cuda" else 256 << 20))
         prompts = [torch.randint(0, vocab, (200 + 7 * i,)).tolist() for i in range(args.decode_batch)]

@@ -5,6 +5,7 @@ bf16 roofline (790 TFLOP/s), step time, and Muon's share of it; with the Triton 
 as the in-run baseline, with the chunked PyTorch KDA backend.
 
     python bench/train.py                       # k3-small, T = 4096 and 8192, on CUDA
+    python bench/train.py --compile             # the same with the compiled elementwise regions
     python bench/train.py --tiny --device cpu   # smoke run of the same code path
 
 FLOPs per token (training = 3 x forward), counted from the config:
@@ -22,6 +23,7 @@ import torch
 
 from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
+from k3.model.compile import compile_model
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 
 ROOFLINE_BF16 = 790e12
@@ -85,6 +87,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; tiny 256)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default=None, help="comma-separated KDA backends (default triton,torch on CUDA)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
+    ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -93,12 +97,15 @@ def main() -> None:
     backends = (args.backends or ("triton,torch" if device.type == "cuda" else "torch")).split(",")
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(device)
+    if args.compile:
+        compile_model(model, backend=args.compile_backend)
     geom = HeadGeometry.from_config(model.config.text_config)
     opt = PerHeadMuon(build_param_groups(model, geom, lr=1e-3, weight_decay=0.1))
     total, active = model.num_parameters()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
-          f"{tokens} tokens/step; median of {args.steps} steps")
+          f"{tokens} tokens/step; median of {args.steps} steps; "
+          f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
     print("| KDA backend | T | B | step ms | tokens/s | TFLOP/s | MFU | optimizer share |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for T in seq_lens:

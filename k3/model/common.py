@@ -93,6 +93,8 @@ def attn_res_mix(candidates: list[torch.Tensor], w_norm: torch.Tensor, w_proj: t
         return candidates[0]
     w = w_norm.float() * w_proj.float().reshape(-1)
     V = torch.stack([c.float() for c in candidates])  # [n, ..., d]
-    # (rmsnorm(V) . w) computed as (V . w) * rsqrt(mean(V^2) + eps): the same sum, no normalised copy of V
-    p = torch.softmax((V @ w) * torch.rsqrt(V.square().mean(-1) + eps), dim=0)  # [n, ...]
+    # (rmsnorm(V) . w) computed as (V . w) * rsqrt(mean(V^2) + eps): the same sum, no normalised copy of V.
+    # Autocast off: it would run the dot products in bf16.
+    with torch.autocast(V.device.type, enabled=False):
+        p = torch.softmax((V @ w) * torch.rsqrt(V.square().mean(-1) + eps), dim=0)  # [n, ...]
     return (p.unsqueeze(-1) * V).sum(0).to(candidates[-1].dtype)

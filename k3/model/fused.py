@@ -155,8 +155,10 @@ def combine_bwd(go: Tensor, yt: Tensor, w: Tensor, order: Tensor) -> tuple[Tenso
 
 def router_select(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """Sigmoid router: x [N, d] -> (ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32)."""
-    scores = torch.sigmoid(x.float() @ weight.float().t())
+    """Sigmoid router: x [N, d] -> (ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32).
+    The logits matmul is fp32 even under autocast (which would run it in bf16)."""
+    with torch.autocast(x.device.type, enabled=False):
+        scores = torch.sigmoid(x.float() @ weight.float().t())
     choice = (scores + bias.float()).detach()
     idx = torch.topk(choice, top_k, dim=-1, sorted=False).indices
     w = scores.gather(-1, idx)
@@ -168,6 +170,12 @@ def router_select(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormali
 def sigmoid_gate(x: Tensor, gate: Tensor, out_dtype: torch.dtype) -> Tensor:
     """(x_f32 * sigmoid(gate_f32)) cast to out_dtype (the MLA output gate)."""
     return (x.float() * torch.sigmoid(gate.float())).to(out_dtype)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean token cross-entropy in fp32: logits [..., V] (any dtype), labels [...] with -100 = ignore.
+    Compiled, the fp32 upcast fuses into the softmax (no fp32 copy of the logits is written)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
 
 
 def silu_streams(y: Tensor, streams: int, out_dtype: torch.dtype) -> Tensor:
@@ -218,7 +226,8 @@ class _AttnRes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w_norm, w_proj, eps, kern, *cands):  # noqa: ANN001
         w = w_norm.float() * w_proj.float().reshape(-1)
-        out, (p, r, s) = kern.res_fwd(list(cands), w, eps)
+        with torch.autocast(cands[0].device.type, enabled=False):  # the logits' dot products stay fp32
+            out, (p, r, s) = kern.res_fwd(list(cands), w, eps)
         ctx.save_for_backward(w_norm, w_proj, w, p, r, s, *cands)
         ctx.kern = kern
         return out
@@ -316,7 +325,7 @@ class Kernels:
         self.res_fwd, self.res_bwd = wrap(res_fwd), wrap(res_bwd)
         self.combine_fwd, self.combine_bwd = wrap(combine_fwd), wrap(combine_bwd)
         self.router_select, self.sigmoid_gate = wrap(router_select), wrap(sigmoid_gate)
-        self.silu_streams = wrap(silu_streams)
+        self.silu_streams, self.cross_entropy = wrap(silu_streams), wrap(cross_entropy)
 
     def __repr__(self) -> str:
         return f"Kernels(compiled={self.compiled})"

@@ -60,6 +60,14 @@ def conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.devic
     distinct and each gets its value (and gradient) once."""
     if layout.cu_seqlens is None:
         return None
+    memo = layout.__dict__.setdefault("_conv_fix_rows", {})  # every KDA layer of a forward shares the layout
+    if (total, width, device) not in memo:
+        memo[(total, width, device)] = _conv_fix_rows(layout, total, width, device)
+    return memo[(total, width, device)]
+
+
+def _conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     starts = layout.cu_seqlens[:-1].to(device, torch.long)
     p = torch.arange(width - 1, device=device)
     rows = torch.where(p < layout.new_lens.to(device)[:, None], starts[:, None] + p, total).flatten()

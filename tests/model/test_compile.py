@@ -77,3 +77,16 @@ def test_compile_model_errors():
         compile_model(torch.nn.Linear(2, 2), backend="aot_eager")
     with pytest.raises(ValueError, match="mode"):
         compile_model(_model(), backend="aot_eager", mode="max-autotune")
+
+
+def test_compiled_cross_entropy_kernel():
+    kern = Kernels(compiled=True, backend="aot_eager")
+    logits = torch.randn(2, 9, 40, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 9))
+    labels[1, 0] = -100
+    got = kern.cross_entropy(logits, labels)
+    (g,) = torch.autograd.grad(got, logits)
+    want = EAGER.cross_entropy(logits, labels)
+    (w,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(got, want, **FP32)
+    torch.testing.assert_close(g, w, **FP32)

@@ -201,3 +201,31 @@ def test_mla_equal_length_documents_equal_rows():
     rows = mla(x, _layout(None, 3, 8))
     packed = mla(x.reshape(1, 24, -1), _layout([0, 8, 16, 24]))
     torch.testing.assert_close(packed.reshape(3, 8, -1), rows, atol=1e-6, rtol=1e-5)
+
+
+def test_router_and_attn_res_stay_fp32_under_autocast():
+    """The spec keeps router logits and AttnRes logits in fp32; autocast would run their matmuls in bf16."""
+    from k3.model.fused import router_select
+
+    x, wt = torch.randn(64, 256), torch.randn(16, 256) * 0.2
+    cands = [torch.randn(64, 256) for _ in range(3)]
+    wn, wp = torch.rand(256) + 0.5, torch.randn(1, 256) * 3
+    want_r = router_select(x, wt, torch.zeros(16), 4, True, 1.0)
+    want_m = attn_res_mix(cands, wn, wp, 1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_r = router_select(x, wt, torch.zeros(16), 4, True, 1.0)
+        got_m = EAGER.attn_res(cands, wn, wp, 1e-5)
+    assert got_r[2].dtype == torch.float32 and got_m.dtype == torch.float32
+    torch.testing.assert_close(got_r[2], want_r[2], **TOL[torch.float32])
+    torch.testing.assert_close(got_m, want_m, **TOL[torch.float32])
+
+
+def test_cross_entropy_kernel():
+    from k3.model.fused import cross_entropy
+
+    logits = torch.randn(2, 7, 50).to(torch.bfloat16)
+    labels = torch.randint(0, 50, (2, 7))
+    labels[0, 3] = -100
+    want = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert torch.equal(cross_entropy(logits, labels), want)
+    assert torch.equal(EAGER.cross_entropy(logits, labels), want)
