@@ -9,10 +9,16 @@ region into one or two kernels, no AOTAutograd partitioning needed). Modules hol
 ``kernels`` attribute (class default :data:`EAGER`); :func:`k3.model.compile.compile_model` swaps
 it for a compiled one.
 
-Eager pairs save the intermediates a fused kernel would recompute (fewer eager passes in the
-backward); compiled pairs save only the inputs and recompute (less memory, same kernel count).
-Regions whose backward autograd already derives well (the router, the MLA output gate, the
-short-conv epilogue) are plain functions, compiled with autograd when the table is compiled.
+The saved tensors are the inputs plus small per-row statistics, except for SiTU in eager mode,
+which saves its three fp32 intermediates (recomputing them would cost more eager passes than it
+saves); compiled SiTU saves only its inputs (recomputation is free inside a fused kernel). Regions
+whose backward autograd derives well (the router, the MLA output gate, the short-conv epilogue,
+the loss) are plain functions, compiled with AOTAutograd when the table is compiled.
+
+Why hand-derived backwards: eager PyTorch runs one kernel per operator, and autograd saves and
+re-reads every fp32 intermediate; a compiled region still needs a backward graph, and an inference
+graph per direction is the simplest thing for Inductor to fuse (and keeps gathers gathers: the MoE
+combine's backward is a gather, not an atomic scatter).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import Tensor
 
 
 def situ_fwd_save(a: Tensor, b: Tensor, beta: float, beta_lin: float) -> tuple[Tensor, tuple]:
+    """Eager: saves tanh(a/beta), sigmoid(a), tanh(b/beta_lin) (fp32); empty tensors carry a's, b's dtypes."""
     af, bf = a.float(), b.float()
     ta, sa, tb = torch.tanh(af / beta), torch.sigmoid(af), torch.tanh(bf / beta_lin)
     act = beta * ta * sa * (beta_lin * tb)
@@ -35,6 +42,7 @@ def situ_fwd_save(a: Tensor, b: Tensor, beta: float, beta_lin: float) -> tuple[T
 
 
 def situ_fwd_recompute(a: Tensor, b: Tensor, beta: float, beta_lin: float) -> tuple[Tensor, tuple]:
+    """Compiled: saves the inputs only (the backward recomputes the activations inside its kernel)."""
     af, bf = a.float(), b.float()
     act = beta * torch.tanh(af / beta) * torch.sigmoid(af) * (beta_lin * torch.tanh(bf / beta_lin))
     return act.to(a.dtype), (None, None, None, a, b)
