@@ -66,7 +66,8 @@ class RoutedExperts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=E)
+        # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
+        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         xs = z.index_select(0, token)  # (backward: one index_add, not an accumulating index_put)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
