@@ -86,7 +86,10 @@ class RoutedExperts(nn.Module):
                     for e, xe in enumerate(xs.split(sizes)) if sizes[e]]
             y = torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
         contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
-        return torch.zeros(N, y.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, contrib)
+        # back to (token, k) order, then a sum over k: a fixed reduction order (atomic index_add on CUDA
+        # is not), so a CUDA graph replay and an eager step give identical bits
+        unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)
+        return unsorted.view(N, k, -1).sum(1)
 
 
 class LatentMoE(nn.Module):
