@@ -24,7 +24,8 @@ next step.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
