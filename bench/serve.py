@@ -202,11 +202,8 @@ def run_decode(model, args: argparse.Namespace, mode: str, tok: Tokens, eos: int
         started: set[str] = set()
         while len(started) < B:  # prefill, and each request's first token
             started.update(o.request_id for o in engine.step() if o.new_token_ids)
-        if runner is not None and runner.use_graphs:  # every bucket the timed steps will use
-            for pos in range(args.decode_context, args.decode_context + total + 1):
-                key = runner.bucket(B, pos // runner.page_size + 1)
-                if key is not None:
-                    runner.capture(*key)
+        if runner is not None:  # every bucket the timed steps use
+            runner.warmup(B, args.decode_context, args.decode_context + total + 1)
         for _ in range(DECODE_WARMUP):
             engine.step()
         sync(model)
@@ -224,6 +221,15 @@ def run_decode(model, args: argparse.Namespace, mode: str, tok: Tokens, eos: int
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def context_range(which: str, args: argparse.Namespace) -> tuple[int, int, int]:
+    """(concurrent requests, shortest, longest context in tokens) of a workload's decode steps."""
+    if which == "agentic":
+        first = args.system_len + args.user_len + 5
+        return args.clients, first, first + (args.turns - 1) * (args.output_len + args.tool_len + 5) + args.output_len
+    first = args.gsp_system_len + args.gsp_question_len + 5
+    return args.gsp_concurrency, first, first + args.gsp_output_len
 
 
 def sync(model) -> None:
@@ -294,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_model_len=cfg.text_config.max_position_embeddings, kda_backend=args.kda_backend,
                 cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len), eos_id=eos)
             tok = Tokens(vocab, eos, args.seed)
+            if engine.runner is not None:  # graph captures before the clock starts
+                engine.runner.warmup(*context_range(which, args))
             sync(model)
             t0 = time.perf_counter()
             jobs = run_agentic(engine, args, tok) if which == "agentic" else run_gsp(engine, args, tok)

@@ -139,6 +139,24 @@ class DecodeRunner:
         cache.commit()
         return self.model.lm_head(h[:, -1])
 
+    def buckets_for(self, max_rows: int, min_len: int, max_len: int) -> list[tuple[int, int]]:
+        """Every bucket that steps of 1..max_rows rows with contexts of min_len..max_len tokens (the
+        token being decoded included) use; contexts beyond `max_len` of the runner are left out."""
+        rows = sorted({self.bucket(n, 1)[0] for n in range(1, min(max_rows, self.batch_buckets[-1]) + 1)})
+        lo, hi = ((max(n, 1) - 1) // self.page_size + 1 for n in (min_len, max_len))
+        pages = sorted({self.bucket(1, n)[1] for n in range(lo, min(hi, self.max_pages) + 1)})
+        return [(b, p) for b in rows for p in pages]
+
+    def warmup(self, max_rows: int, min_len: int, max_len: int) -> int:
+        """Capture now every bucket of `buckets_for(...)`, so that no capture happens later (e.g. in a
+        timed region). Returns the number of new captures; 0 without graphs."""
+        if not self.use_graphs:
+            return 0
+        before = self.num_captures
+        for key in self.buckets_for(max_rows, min_len, max_len):
+            self.capture(*key)
+        return self.num_captures - before
+
     @torch.inference_mode()
     def capture(self, b: int, p: int) -> None:
         """Capture bucket (b, p) as a CUDA graph (a warm-up run first: Triton compilation and cuBLAS

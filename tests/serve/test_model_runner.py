@@ -149,6 +149,9 @@ def test_decode_beyond_the_buckets_returns_none_and_bad_input_is_refused(model):
     assert runner.bucket(3, 1) is None and runner.bucket(2, 3) is None and runner.bucket(2, 2) == (2, 2)
     assert runner.decode([1, 2, 3], [0, 0, 0], [slot] * 3, [[2]] * 3) is None  # 3 rows > max_batch
     assert runner.decode([1], [8], [slot], [[2, 3, 4]]) is None  # position 8 needs a third page
+    # 1..2 rows, contexts of 3..8 tokens (page 4: 1 or 2 pages); without graphs warmup captures nothing
+    assert runner.buckets_for(5, 3, 8) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert runner.buckets_for(1, 6, 100) == [(1, 2)] and runner.warmup(2, 1, 8) == 0
     with pytest.raises(ValueError, match="does not cover position 4"):
         runner.decode([1], [4], [slot], [[2]])
     with pytest.raises(ValueError, match="slot has"):
@@ -254,8 +257,7 @@ def test_graph_replay_equals_eager_static_decode(cfg):
 @pytest.mark.parametrize("cfg", [k3_tiny, _small_like], ids=["k3-tiny", "k3-small-like"])
 def test_static_decode_equals_dynamic_on_cuda_fp32(cfg):
     """The static path's CUDA kernels (Triton recurrent KDA, masked absorbed MLA) against the dynamic
-    path (chunked Triton KDA), fp32 without TF32."""
-    torch.backends.cuda.matmul.allow_tf32 = False
+    path (chunked Triton KDA), fp32 (PyTorch's default: no TF32 in matmuls)."""
     model = _gpu_model(cfg(), torch.float32)
     model.set_kda_backend("triton")
     _compare_static_to_dynamic(model, [3, 20, 9], 6, max_batch=4, max_len=64, page_size=8, seed=2,
@@ -300,3 +302,4 @@ def test_engine_graphs_on_equals_off_and_captures_once_per_bucket():
     assert runner.capture_error is None and set(runner.graphs) == used and runner.num_captures == len(used) >= 2
     eng.generate(prompts, params)  # the same schedule again: replays only
     assert runner.num_captures == len(used)
+    assert runner.warmup(8, 7, 90 + 24) == len(runner.buckets_for(8, 7, 114)) - len(used)  # only the missing
