@@ -202,8 +202,8 @@ class HostReads(TorchFunctionMode):
     failed capture in a CUDA graph): .item(), .tolist(), bool/int conversion, nonzero, bincount,
     boolean-mask indexing... as (name, source line)."""
 
-    BAD = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "bincount", "unique",
-           "masked_select", "cpu", "numpy"})
+    BAD = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "bincount",
+                     "unique", "masked_select", "cpu", "numpy"})
 
     def __init__(self) -> None:
         super().__init__()
