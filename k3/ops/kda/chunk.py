@@ -116,10 +116,10 @@ def _warps(name: str, default: int) -> int:
     return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
 
 
-def _stages(dtype: torch.dtype) -> int:
-    """Software-pipelining depth: 1 (fp32 operand tiles would not fit shared memory with more; the
-    sequential loops are latency-bound and gain nothing from deeper prefetch)."""
-    return int(os.environ.get("K3_KDA_STAGES", 1))
+def _stages() -> int:
+    """Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are
+    issued while the current one computes)."""
+    return int(os.environ.get("K3_KDA_STAGES", 2))
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
@@ -134,7 +134,7 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     env = os.environ.get
-    return env("K3_KDA_AP_PREC", "tf32"), env("K3_KDA_T_PREC", "tf32"), env("K3_KDA_S_PREC", "tf32")
+    return env("K3_KDA_AP_PREC", "tf32"), env("K3_KDA_T_PREC", "tf32"), env("K3_KDA_S_PREC", "half")
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -142,16 +142,16 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    TT = B * T
     NC, N = meta.NC, meta.N
     gate = A_log is not None
-    W = torch.empty(TT, H, K, device=dev, dtype=dt)
+    # chunk-major padded intermediates [NC, H, 64, D] (see triton_common)
+    W = torch.empty(NC, H, CHUNK, K, device=dev, dtype=dt)
     QG = torch.empty_like(W)
     KG = torch.empty_like(W)
-    U = torch.empty(TT, H, V, device=dev, dtype=dt)
-    P = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    U = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt)
+    P = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=dt)
     GL = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    Tm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32) if training else GL
+    Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32) if training else GL
     ap, tp, sp = _precisions(dt)
     dummy = GL
     bv_intra = min(V, 64)
@@ -161,13 +161,12 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp,
-            num_warps=_warps("INTRA", 8 if K >= 128 else 4), num_stages=_stages(dt),
+            STORE_T=training, AP_PREC=ap, T_PREC=tp, num_warps=_warps("INTRA", 4), num_stages=1,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     Hs = torch.empty(NC, H, K, V, device=dev, dtype=dt) if training else None
-    VN = torch.empty(TT, H, V, device=dev, dtype=dt) if training else None
+    VN = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt) if training else None
     BV = _bv(V, N * H * max(V // 64, 1))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     _kda_fwd_state[(N * H, triton.cdiv(V, BV))](
@@ -175,7 +174,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=sp, num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        PREC=sp, STAGES=_stages(), num_warps=_warps("STATE", 4),
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -192,19 +191,19 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     ap, tp, sp = _precisions(dt)
     do = do.contiguous()
     DH = torch.empty(NC, H, K, V, device=dev, dtype=dt)
-    DVN = torch.empty(B * T, H, V, device=dev, dtype=dt)
+    DR = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    dv = torch.empty_like(v)
     BV = _bv(V, N * H * max(V // 64, 1))
     dummy = GL
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
-        P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
+        P, QG, KG, W, Tm, GL, beta, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DR, dv,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp,
-        num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, BSIG=bsig, PREC=sp, T_PREC=tp, STAGES=_stages(),
+        num_warps=_warps("STATE", 4),
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
@@ -214,16 +213,14 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     if NC > 0:
         _kda_bwd_intra[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            Tm, Hs, DH, VN, DVN, do, o, dk32, dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+            Hs, DH, VN, DR, do, o, dk32, dq, dk, dg, dbeta, dA_part, ddt_part,
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, S_PREC=sp,
-            num_warps=_warps("BWD", 8 if K >= 128 else 4),
-            num_stages=_stages(dt),
+            AP_PREC=ap, S_PREC=sp, num_warps=_warps("BWD", 4), num_stages=1,
         )
     else:
-        for t in (dq, dk, dv, dg, dbeta):
+        for t in (dq, dk, dg, dbeta):
             t.zero_()
     dA_log = dA_part.sum(0).to(A_log.dtype) if gate else None
     ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate else None

@@ -4,8 +4,13 @@ Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
   * chunk size 64 = 4 sub-blocks of 16 rows; the key dimension is processed in column chunks of
     BK (decay, cumulative decay and the factorised exponentials are per channel, so key chunks are
     independent; only the L2 norm needs whole rows: a pre-pass);
-  * token-major tensors [T_total, H, D] are addressed with block pointers whose row count is the
-    number of tokens left in the sequence, so rows past its end read as zero and are never written;
+  * token-major tensors [T_total, H, D] (inputs, outputs) are addressed with block pointers whose
+    row count is the number of tokens left in the sequence, so rows past its end read as zero and
+    are never written;
+  * intermediates handed from one kernel to the next (W, U, P, qg, kg, T, Vn, dR) are chunk-major
+    and padded: [NC, H, 64, D], tile = chunk * H + head, rows past a sequence's end hold zeros
+    (they are computed from zero-masked inputs), so the sequential kernels load whole contiguous
+    tiles with no masks (pipelinable, no per-row bounds);
   * G is the within-chunk inclusive cumulative log-decay, built as G = r_blk + cumsum_in_block(g);
   * mid[i] = G at row 16 i + 7 (the middle of sub-block i) is the reference of the factorised
     exponentials  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s)  for row block i.  With a
@@ -14,6 +19,8 @@ Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -28,6 +35,11 @@ def _has_block_ptr() -> bool:
 # the sequential kernels need; newer Triton removed them, so there (CPU interpreter in CI) tiles
 # are addressed with plain pointer arithmetic and masks.  Both paths compute the same tiles.
 USE_BLOCK_PTR = tl.constexpr(_has_block_ptr())
+
+
+# Triton's CPU interpreter computes bf16 dots wrongly; there the half-operand dots are evaluated as
+# fp32 dots of the same (already rounded) half values, which is what the tensor cores compute.
+EMULATE_HALF_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -54,6 +66,21 @@ def _st(ptr, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.conste
         o_t = tl.arange(0, 64)
         offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
         tl.store(ptr + row64 * D + offs, x.to(ptr.dtype.element_ty), mask=(o_t < nr)[:, None])
+
+
+@triton.jit
+def _ldc(ptr, tile, col0, D: tl.constexpr, BD: tl.constexpr):
+    """[64, BD] tile, columns [col0, col0 + BD), of a chunk-major padded [NC, H, 64, D] buffer
+    (tile = chunk * H + head, int64): one contiguous block, no masks."""
+    offs = tl.arange(0, 64)[:, None] * D + col0 + tl.arange(0, BD)[None, :]
+    return tl.load(ptr + tile * (64 * D) + offs)
+
+
+@triton.jit
+def _stc(ptr, tile, col0, x, D: tl.constexpr, BD: tl.constexpr):
+    """Store a [64, BD] tile into a chunk-major padded buffer (all 64 rows)."""
+    offs = tl.arange(0, 64)[:, None] * D + col0 + tl.arange(0, BD)[None, :]
+    tl.store(ptr + tile * (64 * D) + offs, x.to(ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -127,6 +154,22 @@ def _cumdecay(b_g, BK: tl.constexpr):
     G = tl.reshape(G3, (64, BK))
     gl = tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), axis=0)
     return G3, G, mid, gl
+
+
+@triton.jit
+def _sdot(a, b, PREC: tl.constexpr):
+    """Dot of operands already in the storage dtype, fp32 accumulation.
+
+    PREC "half": bf16/fp16 operands straight into the tensor cores (the state / value dots of
+    half-precision inputs: their operands are stored in that dtype anyway); otherwise fp32 operands
+    at "tf32" / "tf32x3"."""
+    if PREC == "half":
+        if EMULATE_HALF_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
 @triton.jit

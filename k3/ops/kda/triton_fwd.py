@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import (_beta, _cumdecay, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
+                                      _st_state, _stc)
 
 
 @triton.jit
@@ -37,6 +38,7 @@ def _kda_fwd_intra(
     start = tl.load(chunk_info + 2 * i_c + 1)
     nr = tl.load(cu_seqlens + i_n + 1) - start
     row64 = start.to(tl.int64) * H + i_h
+    tile = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, 64)
     o_s = tl.arange(0, 64)
     o4 = tl.arange(0, 4)
@@ -85,9 +87,9 @@ def _kda_fwd_intra(
     Y = Tdf + tl.dot(N2, Tdf, input_precision=T_PREC)
     b_T = Y - tl.dot(N, Y, input_precision=T_PREC)
 
-    _st(P, row64, nr, 0, b_P, H, 64, 64)
-    if STORE_T:
-        _st(Tm, row64, nr, 0, b_T, H, 64, 64)
+    _stc(P, tile, 0, b_P, 64, 64)
+    if STORE_T:  # transposed: the backward needs T^T dVn
+        _stc(Tm, tile, 0, tl.trans(b_T), 64, 64)
     for kc in range(K // BK):
         b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
@@ -95,13 +97,13 @@ def _kda_fwd_intra(
                     lower_bound, K, BK, GATE)
         G3, G, mid, gl = _cumdecay(b_g, BK)
         eG = tl.exp(G)
-        _st(W, row64, nr, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC), H, K, BK)
-        _st(QG, row64, nr, kc * BK, b_q * scale * eG, H, K, BK)
-        _st(KG, row64, nr, kc * BK, b_k * tl.exp(gl[None, :] - G), H, K, BK)
+        _stc(W, tile, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC), K, BK)
+        _stc(QG, tile, kc * BK, b_q * scale * eG, K, BK)
+        _stc(KG, tile, kc * BK, b_k * tl.exp(gl[None, :] - G), K, BK)
         tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), gl)
     for vc in range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        _st(U, row64, nr, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC), H, V, BV)
+        _stc(U, tile, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC), V, BV)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def _kda_fwd_state(
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -126,23 +128,28 @@ def _kda_fwd_state(
         S = _ld_state(h0, i_nh.to(tl.int64) * (K * V), 0, v0, V, K, BV).to(tl.float32)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
-    for j in range(nt):
+    # The chunk inputs do not depend on S: with STAGES > 1 the loads of the next chunks are issued
+    # while this one computes.  The dots take S and Vn in the storage dtype (PREC "half" for bf16 /
+    # fp16 inputs; Hs and Vn are stored in it for the backward anyway); S itself stays fp32.
+    for j in tl.range(nt, num_stages=STAGES):
         start = bos + j * 64
         row64 = start.to(tl.int64) * H + i_h
-        nr = eos - start
+        tile = (c0 + j).to(tl.int64) * H + i_h
+        b_w = _ldc(W, tile, 0, K, K)
+        b_qg = _ldc(QG, tile, 0, K, K)
+        b_kg = _ldc(KG, tile, 0, K, K)
+        b_u = _ldc(U, tile, v0, V, BV)
+        b_p = _ldc(P, tile, 0, 64, 64)
+        b_gl = tl.load(GL + tile * K + o_k)
+        Sc = S.to(W.dtype.element_ty)
         if STORE_H:
-            _st_state(Hs, ((c0 + j) * H + i_h).to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
-        b_w = _ld(W, row64, nr, 0, H, K, K)
-        b_qg = _ld(QG, row64, nr, 0, H, K, K)
-        b_kg = _ld(KG, row64, nr, 0, H, K, K)
-        b_u = _ld(U, row64, nr, v0, H, V, BV).to(tl.float32)
-        b_p = _ld(P, row64, nr, 0, H, 64, 64)
-        b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_vn = b_u - _dot(b_w, S, PREC)
-        b_o = _dot(b_qg, S, PREC) + _dot(b_p, b_vn, PREC)
-        _st(o, row64, nr, v0, b_o, H, V, BV)
+            _st_state(Hs, tile * (K * V), 0, v0, Sc, V, K, BV)
+        b_vn = b_u.to(tl.float32) - _sdot(b_w, Sc, PREC)
+        vnc = b_vn.to(W.dtype.element_ty)
+        b_o = _sdot(b_qg, Sc, PREC) + _sdot(b_p, vnc, PREC)
+        _st(o, row64, eos - start, v0, b_o, H, V, BV)
         if STORE_H:
-            _st(VN, row64, nr, v0, b_vn, H, V, BV)
-        S = S * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_kg), b_vn, PREC)
+            _stc(VN, tile, v0, vnc, V, BV)
+        S = S * tl.exp(b_gl)[:, None] + _sdot(tl.trans(b_kg), vnc, PREC)
     if STORE_HT:
         _st_state(ht, i_nh.to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
