@@ -26,11 +26,11 @@ VARIANTS = {
     "st1": {"K3_KDA_STAGES": "1"},
     "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8", "K3_KDA_STAGES": "1"},
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
-    "bv128w8st1": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8", "K3_KDA_STAGES": "1"},
     "bwdw8": {"K3_KDA_WARPS_BWD": "8"},
+    "intraw8": {"K3_KDA_WARPS_INTRA": "8"},
     "bwdbk32": {"K3_KDA_BK_BWD": "32"},
     "bwdbk32w8": {"K3_KDA_BK_BWD": "32", "K3_KDA_WARPS_BWD": "8"},
-    "intraw8": {"K3_KDA_WARPS_INTRA": "8"},
+    "bv128w8st1": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8", "K3_KDA_STAGES": "1"},
 }
 DECODE = [("32", "4"), ("16", "4"), ("64", "4"), ("64", "8"), ("32", "2"), ("128", "8")]
 
@@ -182,17 +182,18 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
     t0 = time.time()
-    xs = inputs(args.check_T, seed=1)
-    ref = reference(xs)
-    log(f"reference (B1 T{args.check_T} H96 D128 float64) {time.time() - t0:.0f} s")
-    xb = inputs(8192)
-    do_big = torch.randn_like(xb[2])
-    for name in args.variants.split(","):
-        if name:
-            run_variant(name, VARIANTS[name], ref, xs, xb, do_big)
-            torch.cuda.empty_cache()
     if args.decode:
         decode_sweep()
+    names = [n for n in args.variants.split(",") if n]
+    if names:
+        xs = inputs(args.check_T, seed=1)
+        ref = reference(xs)
+        log(f"reference (B1 T{args.check_T} H96 D128 float64) {time.time() - t0:.0f} s")
+        xb = inputs(8192)
+        do_big = torch.randn_like(xb[2])
+        for name in names:
+            run_variant(name, VARIANTS[name], ref, xs, xb, do_big)
+            torch.cuda.empty_cache()
     log(f"total {time.time() - t0:.0f} s")
     return 0
 
