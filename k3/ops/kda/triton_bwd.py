@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import (_beta, _cumdecay, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
+from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
                                       _st_state, _stc)
 
 
@@ -61,16 +61,16 @@ def _kda_bwd_state(
         b_tt = _ldc(Tt, tile, 0, 64, 64)
         b_gl = tl.load(GL + tile * K + o_k)
         b_b = _beta(beta, row64, tl.arange(0, 64) < nr, H, BSIG)
-        dSc = dS.to(W.dtype.element_ty)
+        dSc = _cvt(dS, W.dtype.element_ty)
         _st_state(DH, tile * (K * V), 0, v0, dSc, V, K, BV)
         b_dvn = _sdot(tl.trans(b_p), b_do, PREC) + _sdot(b_kg, dSc, PREC)
         # dR = T^T dVn is the gradient of the residual R = (I + A) Vn = beta v - beta k e^G S
         # (Vn = T R): dv = beta dR here, the rest of the intra-chunk backward works from dR.
-        b_dr = tl.dot(b_tt, b_dvn, input_precision=T_PREC)
+        b_dr = _dot(b_tt, b_dvn, T_PREC)
         _stc(DR, tile, v0, b_dr, V, BV)
         _st(dv, row64, nr, v0, b_dr * b_b[:, None], H, V, BV)
         dS = dS * tl.exp(b_gl)[:, None] + _sdot(tl.trans(b_qg), b_do, PREC) \
-            - _sdot(tl.trans(b_w), b_dvn.to(W.dtype.element_ty), PREC)
+            - _sdot(tl.trans(b_w), _cvt(b_dvn, W.dtype.element_ty), PREC)
     _st_state(dh0, i_nh.to(tl.int64) * (K * V), 0, v0, dS, V, K, BV)
 
 
@@ -160,9 +160,9 @@ def _kda_bwd_intra(
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kc4 = b_k[None, :, :] * ec4
-        rq3 = tl.dot(dP3, kc4, input_precision=AP_PREC)
-        rk3 = tl.dot(dA3, kc4, input_precision=AP_PREC)
-        col4 = tl.dot(dP3t, Qr3, input_precision=AP_PREC) + tl.dot(dA3t, Kr3, input_precision=AP_PREC)
+        rq3 = _dot(dP3, kc4, AP_PREC)
+        rk3 = _dot(dA3, kc4, AP_PREC)
+        col4 = _dot(dP3t, Qr3, AP_PREC) + _dot(dA3t, Kr3, AP_PREC)
         dkc = tl.sum(col4 * ec4, axis=0)
         Fr = tl.reshape(Fr3, (64, BK))
         dqP = scale * Fr * tl.reshape(rq3, (64, BK))
@@ -200,7 +200,7 @@ def _kda_bwd_intra(
         tl.store(dA_part + tile, dAlog)
     if BSIG:
         db = db * b_b * (1.0 - b_b)
-    tl.store(dbeta + row64 + o_t.to(tl.int64) * H, db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + row64 + o_t.to(tl.int64) * H, _cvt(db, dbeta.dtype.element_ty), mask=m_t)
 
     # ---- last pass (L2 norm, several key chunks): dk = (dk_hat - k_hat (k_hat . dk_hat)) / ||k|| --
     if L2 and K != BK:

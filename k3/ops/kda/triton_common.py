@@ -37,9 +37,26 @@ def _has_block_ptr() -> bool:
 USE_BLOCK_PTR = tl.constexpr(_has_block_ptr())
 
 
-# Triton's CPU interpreter computes bf16 dots wrongly; there the half-operand dots are evaluated as
-# fp32 dots of the same (already rounded) half values, which is what the tensor cores compute.
-EMULATE_HALF_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Under Triton's CPU interpreter (CI) the GPU's arithmetic is emulated where the interpreter differs:
+# its bf16 dot is wrong, so half-operand dots run as fp32 dots of the same (already rounded) half
+# values; tf32 dots truncate their operands to tf32 first (see _dot); and fp32 -> bf16 conversions,
+# which the interpreter truncates, round to nearest even (see _cvt).  CI then sees the precision of
+# the GPU kernels.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _cvt(x, dt: tl.constexpr):
+    """x converted to dt, rounding to nearest even (as the GPU does) also under the interpreter."""
+    if INTERPRETED:
+        if dt == tl.bfloat16:
+            u = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            u = u + 0x7FFF + ((u >> 16) & 1)
+            return u.to(tl.float32, bitcast=True).to(dt)
+        else:
+            return x.to(dt)
+    else:
+        return x.to(dt)
 
 
 @triton.jit
@@ -61,11 +78,11 @@ def _st(ptr, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.conste
     """Store a [64, BD] chunk tile (rows >= nr are not written)."""
     if USE_BLOCK_PTR:
         p = tl.make_block_ptr(ptr + row64 * D, (nr, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
-        tl.store(p, x.to(ptr.dtype.element_ty), boundary_check=(0,))
+        tl.store(p, _cvt(x, ptr.dtype.element_ty), boundary_check=(0,))
     else:
         o_t = tl.arange(0, 64)
         offs = o_t[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
-        tl.store(ptr + row64 * D + offs, x.to(ptr.dtype.element_ty), mask=(o_t < nr)[:, None])
+        tl.store(ptr + row64 * D + offs, _cvt(x, ptr.dtype.element_ty), mask=(o_t < nr)[:, None])
 
 
 @triton.jit
@@ -80,7 +97,7 @@ def _ldc(ptr, tile, col0, D: tl.constexpr, BD: tl.constexpr):
 def _stc(ptr, tile, col0, x, D: tl.constexpr, BD: tl.constexpr):
     """Store a [64, BD] tile into a chunk-major padded buffer (all 64 rows)."""
     offs = tl.arange(0, 64)[:, None] * D + col0 + tl.arange(0, BD)[None, :]
-    tl.store(ptr + tile * (64 * D) + offs, x.to(ptr.dtype.element_ty))
+    tl.store(ptr + tile * (64 * D) + offs, _cvt(x, ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -98,10 +115,10 @@ def _ld_state(ptr, base64, r0, c0, V: tl.constexpr, BK: tl.constexpr, BV: tl.con
 def _st_state(ptr, base64, r0, c0, x, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     if USE_BLOCK_PTR:
         p = tl.make_block_ptr(ptr + base64, (r0 + BK, V), (V, 1), (r0, c0), (BK, BV), (1, 0))
-        tl.store(p, x.to(ptr.dtype.element_ty))
+        tl.store(p, _cvt(x, ptr.dtype.element_ty))
     else:
         offs = (r0 + tl.arange(0, BK))[:, None] * V + c0 + tl.arange(0, BV)[None, :]
-        tl.store(ptr + base64 + offs, x.to(ptr.dtype.element_ty))
+        tl.store(ptr + base64 + offs, _cvt(x, ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -164,19 +181,48 @@ def _sdot(a, b, PREC: tl.constexpr):
     half-precision inputs: their operands are stored in that dtype anyway); otherwise fp32 operands
     at "tf32" / "tf32x3"."""
     if PREC == "half":
-        if EMULATE_HALF_DOT:
+        if INTERPRETED:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a, b)
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+        return _dot(a, b, PREC)
+
+
+@triton.jit
+def _tf32_round(x):
+    """fp32 -> nearest tf32 value (10-bit mantissa, ties away from zero), kept in fp32."""
+    u = x.to(tl.uint32, bitcast=True)
+    return ((u + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tf32_trunc(x):
+    """fp32 -> tf32 by dropping the 13 low mantissa bits (what the tensor cores read)."""
+    u = x.to(tl.uint32, bitcast=True)
+    return (u & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """Tensor-core dot with fp32 operands at precision PREC ("tf32" / "tf32x3"), fp32 accumulation.
+    """Tensor-core dot of fp32 operands (half operands are widened), fp32 accumulation.
 
-    Operands loaded in bf16/fp16 are widened first: on Triton 3.6 / H200 the half-operand variant
-    of these kernels produced wrong results or illegal addresses (docs/kda_kernels.md), and the
-    CPU interpreter's half-precision dot is unusable, so fp32 operands are the one path."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    PREC: "tf32" (the tensor cores read the top 19 bits of each fp32 operand: truncation),
+    "tf32r" (operands rounded to the nearest tf32 first: unbiased, the same speed), "tf32x3"
+    (three tf32 products, about fp32 accuracy), "ieee".  The CPU interpreter emulates the tf32
+    operand rounding, so CI sees the precision of the GPU kernels."""
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
+    if PREC == "tf32r":
+        a = _tf32_round(a)
+        b = _tf32_round(b)
+    if INTERPRETED:
+        if PREC == "tf32" or PREC == "tf32r":
+            return tl.dot(_tf32_trunc(a), _tf32_trunc(b), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision="ieee")
+    else:
+        if PREC == "tf32r":
+            return tl.dot(a, b, input_precision="tf32")
+        else:
+            return tl.dot(a, b, input_precision=PREC)

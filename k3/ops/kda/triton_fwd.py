@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import (_beta, _cumdecay, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
+from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
                                       _st_state, _stc)
 
 
@@ -65,8 +65,8 @@ def _kda_fwd_intra(
         # column factors for every row block at once: [4 (row block), 64 (column), BK]
         ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kct4 = tl.permute(b_k[None, :, :] * ec4, (0, 2, 1))
-        P3 += tl.dot(Qr3, kct4, input_precision=AP_PREC)
-        A3 += tl.dot(Kr3, kct4, input_precision=AP_PREC)
+        P3 += _dot(Qr3, kct4, AP_PREC)
+        A3 += _dot(Kr3, kct4, AP_PREC)
     A = tl.where(o_t[:, None] > o_s[None, :], tl.reshape(A3, (64, 64)), 0.0)
     b_P = tl.where(o_t[:, None] >= o_s[None, :], tl.reshape(P3, (64, 64)), 0.0)
 
@@ -77,15 +77,15 @@ def _kda_fwd_intra(
     eye16 = tl.zeros([4, 16, 16], dtype=tl.float32) + tl.where(o16[:, None] == o16[None, :], 1.0, 0.0)[None, :, :]
     Td = eye16
     for t in range(1, 16):
-        Td = tl.where((o16 == t)[None, :, None], eye16 - tl.dot(Ad, Td, input_precision=T_PREC), Td)
+        Td = tl.where((o16 == t)[None, :, None], eye16 - _dot(Ad, Td, T_PREC), Td)
     # Off-diagonal blocks: T = (I - N)(I + N^2) Td with N = Td L (L = strictly block-lower part of A);
     # exact because N is strictly block-lower with 4 blocks (N^4 = 0).
     L = tl.where((o_t // 16)[:, None] > (o_s // 16)[None, :], A, 0.0)
-    N = tl.reshape(tl.dot(Td, tl.reshape(L, (4, 16, 64)), input_precision=T_PREC), (64, 64))
-    N2 = tl.dot(N, N, input_precision=T_PREC)
+    N = tl.reshape(_dot(Td, tl.reshape(L, (4, 16, 64)), T_PREC), (64, 64))
+    N2 = _dot(N, N, T_PREC)
     Tdf = tl.reshape(tl.where(eye4[:, None, :, None], Td[:, :, None, :], 0.0), (64, 64))
-    Y = Tdf + tl.dot(N2, Tdf, input_precision=T_PREC)
-    b_T = Y - tl.dot(N, Y, input_precision=T_PREC)
+    Y = Tdf + _dot(N2, Tdf, T_PREC)
+    b_T = Y - _dot(N, Y, T_PREC)
 
     _stc(P, tile, 0, b_P, 64, 64)
     if STORE_T:  # transposed: the backward needs T^T dVn
@@ -141,11 +141,11 @@ def _kda_fwd_state(
         b_u = _ldc(U, tile, v0, V, BV)
         b_p = _ldc(P, tile, 0, 64, 64)
         b_gl = tl.load(GL + tile * K + o_k)
-        Sc = S.to(W.dtype.element_ty)
+        Sc = _cvt(S, W.dtype.element_ty)
         if STORE_H:
             _st_state(Hs, tile * (K * V), 0, v0, Sc, V, K, BV)
         b_vn = b_u.to(tl.float32) - _sdot(b_w, Sc, PREC)
-        vnc = b_vn.to(W.dtype.element_ty)
+        vnc = _cvt(b_vn, W.dtype.element_ty)
         b_o = _sdot(b_qg, Sc, PREC) + _sdot(b_p, vnc, PREC)
         _st(o, row64, eos - start, v0, b_o, H, V, BV)
         if STORE_H:
