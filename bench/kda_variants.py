@@ -23,16 +23,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 VARIANTS = {
     "default": {},
-    "st1": {"K3_KDA_STAGES": "1"},
-    "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8", "K3_KDA_STAGES": "1"},
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
+    "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
     "bwdw8": {"K3_KDA_WARPS_BWD": "8"},
-    "intraw8": {"K3_KDA_WARPS_INTRA": "8"},
-    "bwdbk32": {"K3_KDA_BK_BWD": "32"},
-    "bwdbk32w8": {"K3_KDA_BK_BWD": "32", "K3_KDA_WARPS_BWD": "8"},
-    "bv128w8st1": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8", "K3_KDA_STAGES": "1"},
+    "bwdw8r": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
+    "intranocd": {"K3_KDA_CUMDOT": "0"},
+    "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
+    "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
+    "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
 }
-DECODE = [("32", "4"), ("16", "4"), ("64", "4"), ("64", "8"), ("32", "2"), ("128", "8")]
+# (tile width or "auto", warps); "auto" = the library's choice
+DECODE = [("auto", "4")]
+DECODE_B = (1, 8, 64, 256)
 
 
 def log(*a):
@@ -121,8 +123,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
             with torch.no_grad():
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
         log(line)
-        if name == "default":
-            kernel_profile(lambda: k3_call(xb).backward(do_big), f"{name} fwd+bwd")
+        kernel_profile(lambda: k3_call(xb).backward(do_big), f"{name} fwd+bwd")
     except Exception as ex:  # report and go on with the next variant
         log(f"[{name}] {type(ex).__name__}: {str(ex)[:300]}")
         if "illegal" in str(ex) or "CUDA error" in str(ex):
@@ -137,7 +138,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
             t.grad = None
 
 
-def decode_sweep(Bs=(64, 256), H=96, D=128):
+def decode_sweep(Bs=DECODE_B, H=96, D=128):
     from k3.ops.kda.recurrent import fused_recurrent_kda
 
     x = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
@@ -152,7 +153,11 @@ def decode_sweep(Bs=(64, 256), H=96, D=128):
         pool = torch.randn(B, H, D, D, device="cuda") * 0.01
         idx = torch.arange(B, device="cuda", dtype=torch.int32)
         for bv, w in DECODE:
-            os.environ["K3_KDA_DEC_BV"], os.environ["K3_KDA_DEC_WARPS"] = bv, w
+            os.environ["K3_KDA_DEC_WARPS"] = w
+            if bv == "auto":
+                os.environ.pop("K3_KDA_DEC_BV", None)
+            else:
+                os.environ["K3_KDA_DEC_BV"] = bv
             fn = lambda: fused_recurrent_kda(q, k, v, g, beta, pool, idx, use_qk_l2norm_in_kernel=True)  # noqa: E731
             for _ in range(3):
                 fn()
@@ -168,7 +173,8 @@ def decode_sweep(Bs=(64, 256), H=96, D=128):
             nb = 2 * B * H * D * D * 4
             log(f"decode H{H} B{B} BV{bv} w{w}: {ms * 1e3:.1f} us, {nb / ms / 1e6:.0f} GB/s = "
                 f"{nb / ms / 1e6 / (copy_bw / 1e9) * 100:.1f}% of copy")
-        del os.environ["K3_KDA_DEC_BV"], os.environ["K3_KDA_DEC_WARPS"]
+        os.environ.pop("K3_KDA_DEC_BV", None)
+        os.environ.pop("K3_KDA_DEC_WARPS", None)
 
 
 def main(argv=None) -> int:

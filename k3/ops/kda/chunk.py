@@ -112,6 +112,11 @@ def _tile(name: str, default: int, dim: int) -> int:
     return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
 
 
+def _flag(name: str, default: bool) -> bool:
+    """Boolean kernel switch (env K3_KDA_<name> = 0 / 1 for tuning)."""
+    return os.environ.get(f"K3_KDA_{name}", str(int(default))) == "1"
+
+
 def _warps(name: str, default: int) -> int:
     return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
 
@@ -165,7 +170,8 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp, num_warps=_warps("INTRA", 4), num_stages=1,
+            STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
+            num_warps=_warps("INTRA", 4), num_stages=1,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -221,7 +227,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=apb, S_PREC=sp,
+            AP_PREC=apb, S_PREC=sp, CUMDOT=_flag("CUMDOT_BWD", False),
             num_warps=_warps("BWD", 4), num_stages=1,
         )
     else:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
-                                      _st_state, _stc)
+from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _exp, _expw, _gate, _ld, _ld_state, _ldc, _rnorms,
+                                      _sdot, _st, _st_state, _stc)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _kda_bwd_state(
         b_dr = _dot(b_tt, b_dvn, T_PREC)
         _stc(DR, tile, v0, b_dr, V, BV)
         _st(dv, row64, nr, v0, b_dr * b_b[:, None], H, V, BV)
-        dS = dS * tl.exp(b_gl)[:, None] + _sdot(tl.trans(b_qg), b_do, PREC) \
+        dS = dS * _expw(b_gl, W.dtype.element_ty == tl.float32)[:, None] + _sdot(tl.trans(b_qg), b_do, PREC) \
             - _sdot(tl.trans(b_w), _cvt(b_dvn, W.dtype.element_ty), PREC)
     _st_state(dh0, i_nh.to(tl.int64) * (K * V), 0, v0, dS, V, K, BV)
 
@@ -83,7 +83,7 @@ def _kda_bwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, S_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -130,8 +130,8 @@ def _kda_bwd_intra(
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         graw = _ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32)
         b_g = _gate(graw, A_log, dt_bias, i_h, kc * BK, m_t, lower_bound, K, BK, GATE)
-        G3, G, mid, gl = _cumdecay(b_g, BK)
-        eG = tl.exp(G)
+        G3, G, mid, gl = _cumdecay(b_g, BK, CUMDOT)
+        eG = _expw(G, q.dtype.element_ty == tl.float32)
         dqg = tl.zeros([64, BK], dtype=tl.float32)
         dkg = tl.zeros([64, BK], dtype=tl.float32)
         dxw = tl.zeros([64, BK], dtype=tl.float32)
@@ -147,18 +147,18 @@ def _kda_bwd_intra(
         # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
         b_dq = scale * eG * dqg
         b_dG = b_q * b_dq
-        b_dk = tl.exp(gl[None, :] - G) * dkg
+        b_dk = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
         b_dG -= b_k * b_dk
-        dgl = tl.sum(b_k * b_dk, axis=0) + tl.exp(gl) * dgl_s
+        dgl = tl.sum(b_k * b_dk, axis=0) + _expw(gl, q.dtype.element_ty == tl.float32) * dgl_s
         xw = b_k * b_b[:, None] * eG
         b_dk += b_b[:, None] * eG * dxw
         b_dG += xw * dxw
         db += tl.sum(dxw * b_k * eG, axis=1)
         # intra-chunk A / P through the factorised 16-row blocks
-        Fr3 = tl.exp(G3 - mid[:, None, :])
+        Fr3 = _exp(G3 - mid[:, None, :])
         Qr3 = tl.reshape(b_q * scale, (4, 16, BK)) * Fr3
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
-        ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
+        ec4 = _exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kc4 = b_k[None, :, :] * ec4
         rq3 = _dot(dP3, kc4, AP_PREC)
         rk3 = _dot(dA3, kc4, AP_PREC)
@@ -175,10 +175,10 @@ def _kda_bwd_intra(
         b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
         # gate backward (per channel sums of this chunk for dt_bias, one scalar for A_log)
         if GATE:
-            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            a = _exp(tl.load(A_log + i_h).to(tl.float32))
             bias = tl.load(dt_bias + i_h * K + kc * BK + tl.arange(0, BK)).to(tl.float32)
             z = a * (graw + bias[None, :])
-            s = 1.0 / (1.0 + tl.exp(-z))
+            s = 1.0 / (1.0 + _exp(-z))
             dz = tl.where(m_t[:, None], b_dg * lower_bound * s * (1.0 - s), 0.0)
             _st(dg, row64, nr, kc * BK, dz * a, H, K, BK)
             tl.store(ddt_part + tile * K + kc * BK + tl.arange(0, BK), tl.sum(dz * a, axis=0))

@@ -46,6 +46,36 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
+def _exp(x):
+    """e^x as one MUFU.EX2 (ex2.approx.ftz of x log2 e).  Triton's tl.exp adds a range check and
+    rescaling for results below 2^-126 (four more instructions per element); here such results
+    flush to zero, which no caller can tell from the true value."""
+    return _exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _expw(x, ACC: tl.constexpr):
+    """e^x for wide arguments (cumulative decays down to about -320).  ex2.approx reads x log2 e
+    rounded to fp32, whose error (ulp(461) / 2 = 3e-5) becomes the result's relative error; with
+    ACC (fp32 inputs) the rounding residual is recovered by an fma and applied to first order."""
+    if ACC:
+        y = x * 1.4426950408889634
+        r = tl.fma(x, 1.4426950408889634, -y) + x * 1.925963033500011e-08
+        return _exp2(y) * (1.0 + r * 0.6931471805599453)
+    else:
+        return _exp(x)
+
+
+@triton.jit
+def _exp2(y):
+    if INTERPRETED:
+        return tl.exp2(y)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def _cvt(x, dt: tl.constexpr):
     """x converted to dt, rounding to nearest even (as the GPU does) also under the interpreter."""
     if INTERPRETED:
@@ -126,7 +156,7 @@ def _beta(beta, row64, m_t, H: tl.constexpr, BSIG: tl.constexpr):
     """beta for the 64 rows of a chunk (fp32, 0 past the end), sigmoid applied when BSIG."""
     b = tl.load(beta + row64 + tl.arange(0, 64).to(tl.int64) * H, mask=m_t, other=0.0).to(tl.float32)
     if BSIG:
-        b = tl.where(m_t, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+        b = tl.where(m_t, 1.0 / (1.0 + _exp(-b)), 0.0)
     return b
 
 
@@ -151,25 +181,36 @@ def _gate(graw, A_log, dt_bias, i_h, col0, m_t, lower_bound, K: tl.constexpr, BK
           GATE: tl.constexpr):
     """Log-decay chunk [64, BK] from the loaded g (raw f when GATE), 0 on rows past the end."""
     if GATE:
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        a = _exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + col0 + tl.arange(0, BK)).to(tl.float32)
-        return tl.where(m_t[:, None], lower_bound / (1.0 + tl.exp(-a * (graw + bias[None, :]))), 0.0)
+        return tl.where(m_t[:, None], lower_bound / (1.0 + _exp(-a * (graw + bias[None, :]))), 0.0)
     else:
         return graw
 
 
 @triton.jit
-def _cumdecay(b_g, BK: tl.constexpr):
-    """Within-chunk cumulative decay.  Returns G3 [4,16,BK], G [64,BK], mid [4,BK], gl [BK] (= G row 63)."""
-    g3 = tl.reshape(b_g, (4, 16, BK))
-    c3 = tl.cumsum(g3, axis=1)
-    bs = tl.sum(g3, axis=1)
-    r = tl.cumsum(bs, axis=0) - bs
-    G3 = r[:, None, :] + c3
+def _cumdecay(b_g, BK: tl.constexpr, CUMDOT: tl.constexpr):
+    """Within-chunk cumulative decay of the log-decay chunk b_g [64, BK].
+
+    Returns G3 [4,16,BK] and G [64,BK] (inclusive cumulative sum), mid [4,BK] (G at the middle
+    row 16 i + 7 of block i) and gl [BK] (= G row 63).
+    With CUMDOT the cumulative sum is a dot with the lower-triangular ones matrix at tf32x3 (exact
+    0/1 left operand, so about fp32 accuracy): a scan along rows spread over threads and warps costs
+    many shuffles and barriers; the tensor cores do it in a few instructions."""
     o16 = tl.arange(0, 16)
-    mid = tl.sum(tl.where((o16 == 7)[None, :, None], G3, 0.0), axis=1)
-    G = tl.reshape(G3, (64, BK))
+    if CUMDOT:
+        o_t = tl.arange(0, 64)
+        G = _dot((o_t[None, :] <= o_t[:, None]).to(tl.float32), b_g, "tf32x3")
+        G3 = tl.reshape(G, (4, 16, BK))
+    else:
+        g3 = tl.reshape(b_g, (4, 16, BK))
+        G3 = tl.cumsum(g3, axis=1)
+        bs = tl.sum(g3, axis=1)
+        G3 += (tl.cumsum(bs, axis=0) - bs)[:, None, :]
+        G = tl.reshape(G3, (64, BK))
+    # gl must be G's last row bit for bit: kg = k e^(gl - G) is exactly k there
     gl = tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), axis=0)
+    mid = tl.sum(tl.where((o16 == 7)[None, :, None], G3, 0.0), axis=1)
     return G3, G, mid, gl
 
 

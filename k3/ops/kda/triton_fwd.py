@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _gate, _ld, _ld_state, _ldc, _rnorms, _sdot, _st,
-                                      _st_state, _stc)
+from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _exp, _expw, _gate, _ld, _ld_state, _ldc, _rnorms,
+                                      _sdot, _st, _st_state, _stc)
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _kda_fwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, CUMDOT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -58,12 +58,12 @@ def _kda_fwd_intra(
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
                     lower_bound, K, BK, GATE)
-        G3, G, mid, gl = _cumdecay(b_g, BK)
-        Fr3 = tl.exp(G3 - mid[:, None, :])
+        G3, G, mid, gl = _cumdecay(b_g, BK, CUMDOT)
+        Fr3 = _exp(G3 - mid[:, None, :])
         Qr3 = tl.reshape(b_q * scale, (4, 16, BK)) * Fr3
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
         # column factors for every row block at once: [4 (row block), 64 (column), BK]
-        ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
+        ec4 = _exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kct4 = tl.permute(b_k[None, :, :] * ec4, (0, 2, 1))
         P3 += _dot(Qr3, kct4, AP_PREC)
         A3 += _dot(Kr3, kct4, AP_PREC)
@@ -95,11 +95,11 @@ def _kda_fwd_intra(
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
                     lower_bound, K, BK, GATE)
-        G3, G, mid, gl = _cumdecay(b_g, BK)
-        eG = tl.exp(G)
+        G3, G, mid, gl = _cumdecay(b_g, BK, CUMDOT)
+        eG = _expw(G, q.dtype.element_ty == tl.float32)
         _stc(W, tile, kc * BK, _dot(b_T, b_k * b_b[:, None] * eG, T_PREC), K, BK)
         _stc(QG, tile, kc * BK, b_q * scale * eG, K, BK)
-        _stc(KG, tile, kc * BK, b_k * tl.exp(gl[None, :] - G), K, BK)
+        _stc(KG, tile, kc * BK, b_k * _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32), K, BK)
         tl.store(GL + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), gl)
     for vc in range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
@@ -150,6 +150,6 @@ def _kda_fwd_state(
         _st(o, row64, eos - start, v0, b_o, H, V, BV)
         if STORE_H:
             _stc(VN, tile, v0, vnc, V, BV)
-        S = S * tl.exp(b_gl)[:, None] + _sdot(tl.trans(b_kg), vnc, PREC)
+        S = S * _expw(b_gl, W.dtype.element_ty == tl.float32)[:, None] + _sdot(tl.trans(b_kg), vnc, PREC)
     if STORE_HT:
         _st_state(ht, i_nh.to(tl.int64) * (K * V), 0, v0, S, V, K, BV)
