@@ -141,10 +141,10 @@ def run_variant(name, env, ref, xs, xb, do_big):
 def decode_sweep(Bs=DECODE_B, H=96, D=128):
     from k3.ops.kda.recurrent import fused_recurrent_kda
 
-    x = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    copy_bw = 2 * x.numel() * 2 / (bench(lambda: y.copy_(x)) * 1e-3)
-    del x, y
+    src = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 2 / (bench(lambda: dst.copy_(src)) * 1e-3)
+    src = dst = None
     log(f"decode: copy bandwidth {copy_bw / 1e9:.0f} GB/s")
     for B in Bs:
         q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -158,7 +158,9 @@ def decode_sweep(Bs=DECODE_B, H=96, D=128):
                 os.environ.pop("K3_KDA_DEC_BV", None)
             else:
                 os.environ["K3_KDA_DEC_BV"] = bv
-            fn = lambda: fused_recurrent_kda(q, k, v, g, beta, pool, idx, use_qk_l2norm_in_kernel=True)  # noqa: E731
+            def fn(q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx):
+                return fused_recurrent_kda(q, k, v, g, beta, pool, idx, use_qk_l2norm_in_kernel=True)
+
             for _ in range(3):
                 fn()
             graph = torch.cuda.CUDAGraph()

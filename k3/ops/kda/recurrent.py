@@ -187,7 +187,7 @@ def fused_recurrent_kda(
         scale, float(lower_bound or 0.0), T,
         H=H, K=K, V=V, BV=BV, GATE=gate, L2=bool(use_qk_l2norm_in_kernel),
         BSIG=bool(use_beta_sigmoid_in_kernel), WRITE=bool(write_state), INTER=inter is not None,
-        num_warps=int(os.environ.get("K3_KDA_DEC_WARPS", 4)),
+        num_warps=int(os.environ.get("K3_KDA_DEC_WARPS", "4")),
     )
     return o, inter
 

@@ -21,8 +21,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import (_beta, _cumdecay, _cvt, _dot, _exp, _expw, _gate, _ld, _ld_state, _ldc, _rnorms,
-                                      _sdot, _st, _st_state, _stc)
+from k3.ops.kda.triton_common import (
+    _beta,
+    _cumdecay,
+    _cvt,
+    _dot,
+    _exp,
+    _expw,
+    _gate,
+    _ld,
+    _ld_state,
+    _ldc,
+    _rnorms,
+    _sdot,
+    _st,
+    _st_state,
+    _stc,
+)
 
 
 @triton.jit
