@@ -13,18 +13,24 @@ per-step log-decay is bounded below.  Hence:
     before the factors overflow).  Without a declared bound this backend raises ValueError:
     use the torch or reference backend for unbounded gates.
 
-Precision.  State, decay, the UT inverse and every dot operand are fp32 (tensor cores at tf32 or
-tf32x3, see `_precisions`; the factorised exponentials need fp32 range, so fp16 inputs are safe).
-Intermediates (W, U, qg, kg, P, per-chunk states, Vn, dVn) are stored in the input dtype, which
-bounds bf16 accuracy to ~0.5 % relative (fla's level).
+Precision.  State, decay and the UT inverse are fp32.  For bf16/fp16 inputs the state / value
+dots take their operands in the input dtype (bf16 tensor cores, fp32 accumulation), the intra-
+chunk A/P dots and the inverse fp32 operands rounded to tf32 (round to nearest, not the tensor
+cores' truncation), the backward A/P dots tf32x3 (see `_precisions`); fp32 inputs use tf32x3
+throughout.  The factorised exponentials need fp32 range, so fp16 inputs are safe.  Intermediates
+(W, U, qg, kg, P, per-chunk states, Vn, dR) are stored in the input dtype, which bounds bf16
+accuracy to ~0.3 % relative (fla's level).
 
-Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC (dot
-precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk widths),
-K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD}, K3_KDA_STAGES.
-Measured effects are in docs/kda_kernels.md.
+Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
+widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
+K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
+/ H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one hits an
+illegal address on Triton 3.6 / H200).  Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
+Intermediates are chunk-major [chunks, H, 64, D] with the last chunk of each sequence zero-padded.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 """Chunked KDA backward kernels (Triton).
 
 Forward per chunk (triton_fwd):  Vn = U - W S,  O = qg S + P Vn,  S' = e^gl S + kg^T Vn,
-with U = T (beta v), W = T (beta k e^G), T = (I + A)^-1.
+with U = T (beta v), W = T (beta k e^G), T = (I + A)^-1.  Since U - W S = T R with the residual
+R = beta v - Xw S (Xw = beta k e^G), the whole T / W / U branch reduces to dR = T^T dVn:
+    dT = dVn R^T,  dA = -T^T dT T^T = -dR Vn^T,  d(beta v) = dR,  dXw = -dR S^T.
 
   1. `_kda_bwd_state`, grid (N * H, V / BV), sequential backwards over chunks:
-        dVn = P^T dO + kg dS';   dS = qg^T dO + e^gl dS' - W^T dVn
-     stores dS' per chunk (DH), dVn (DVN) and the initial-state gradient.
-  2. `_kda_bwd_intra`, grid (chunks, H), parallel, from the saved per-chunk state S, DH, Vn, DVN, T:
-        dqg = dO S^T, dkg = Vn dS'^T, dW = -dVn S^T, dP = dO Vn^T, dU = dVn
-        dT = dW Xw^T + dU Xu^T,  dXw = T^T dW,  dXu = T^T dU,  dA = -T^T dT T^T
-     then dA/dP through the factorised 16-row blocks, dG (elementwise, then a reverse cumsum),
-     and the prologue backward (gate, L2 norm, sigmoid).  Passes: values (dP, dT, dv), key chunks
-     (dW Xw^T completes dT), key chunks again (all key-side gradients), and with the L2 norm over
-     several key chunks a last pass that projects dk_hat (kept in fp32 scratch meanwhile); the q
-     projection needs q_hat . dq_hat = dO . O only (O is linear in q_hat).
+        dVn = P^T dO + kg dS';   dR = T^T dVn;   dS = qg^T dO + e^gl dS' - W^T dVn
+     stores dS' per chunk (DH), dR (DR, chunk-major) and dv = beta dR (from fp32), and the
+     initial-state gradient.
+  2. `_kda_bwd_intra`, grid (chunks, H), parallel, from the saved per-chunk state S, DH, Vn, DR:
+     value pass: dP = dO Vn^T, dA = -dR Vn^T, beta's share sum_v dR v;  key pass (per key chunk):
+     dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T, then dA / dP through the factorised 16-row
+     blocks, dG (elementwise, then a reverse cumsum) and the prologue backward (gate, L2 norm,
+     sigmoid).  With the L2 norm over several key chunks a last pass projects dk_hat (kept in fp32
+     scratch meanwhile); the q projection needs q_hat . dq_hat = dO . O only (O is linear in q_hat).
 """
 
 from __future__ import annotations

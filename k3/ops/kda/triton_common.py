@@ -11,7 +11,8 @@ Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
     and padded: [NC, H, 64, D], tile = chunk * H + head, rows past a sequence's end hold zeros
     (they are computed from zero-masked inputs), so the sequential kernels load whole contiguous
     tiles with no masks (pipelinable, no per-row bounds);
-  * G is the within-chunk inclusive cumulative log-decay, built as G = r_blk + cumsum_in_block(g);
+  * G is the within-chunk inclusive cumulative log-decay (a scan, or a dot with the 0/1 lower
+    triangle, see _cumdecay);
   * mid[i] = G at row 16 i + 7 (the middle of sub-block i) is the reference of the factorised
     exponentials  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s)  for row block i.  With a
     per-step log-decay >= -5 both factors stay within exp(+-40) for s, t inside block i, and for

@@ -11,6 +11,9 @@ Two launches per forward:
      qg = scale q e^G, kg = k e^(gl - G), gl = G[last].
   2. `_kda_fwd_state`, grid (N * H, V / BV), sequential over the chunks of one sequence:
         Vn = U - W S;  O = qg S + P Vn;  S <- e^gl * S + kg^T Vn.
+     The chunk tiles are chunk-major and padded (no masks), so the loop's loads are software
+     pipelined (cp.async, STAGES deep) while the previous chunk computes; for bf16 / fp16 inputs
+     the dots take S and Vn in that dtype (they are stored in it for the backward anyway).
 """
 
 from __future__ import annotations
