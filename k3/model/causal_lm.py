@@ -182,13 +182,15 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def num_parameters(self) -> tuple[int, int]:
-        """(total, active per token). Active counts every non-routed weight plus top-k/E of the routed
-        experts, and leaves out the input embedding table (a lookup, not compute), as the K3 report does."""
+        """(total, active per token). Total includes the vision encoder. Active counts every non-routed
+        text weight plus top-k/E of the routed experts, and leaves out the input embedding table (a
+        lookup, not compute), as the K3 report does, and the vision encoder (it runs per image)."""
         tc = self.config.text_config
         total = sum(p.numel() for p in self.parameters())
         routed = sum(p.numel() for n, p in self.named_parameters() if ".experts.w" in n)
         embed = self.model.embed_tokens.weight.numel()
-        return total, total - routed - embed + routed * tc.num_experts_per_token // tc.num_experts
+        text = total - self.num_vision_parameters()
+        return total, text - routed - embed + routed * tc.num_experts_per_token // tc.num_experts
 
     def num_vision_parameters(self) -> int:
         """Parameters of the vision tower + projector (0 for a text-only model); part of the total."""

@@ -290,3 +290,16 @@ def test_vl_model_on_text_only_checkpoint_names_missing_vision(model, tmp_path):
     text.save_pretrained(tmp_path / "text", dtype="float32")
     with pytest.raises(CheckpointError, match=r"vision_tower\.patch_embed\.pos_emb\.weight: missing"):
         load_checkpoint(K3ForCausalLM(CFG), tmp_path / "text")
+
+
+def test_info_shows_vision_params():
+    from k3.cli.info import describe
+
+    d = describe(k3_tiny_vl())
+    v = d["vision"]
+    assert v["params"] == v["tower_params"] + v["projector_params"] > 0
+    assert d["total_params"] == describe(k3_tiny())["total_params"] + v["params"]
+    assert d["active_params"] == describe(k3_tiny())["active_params"]  # the encoder runs per image
+    assert describe(k3_tiny())["vision"] is None
+    full = describe(kimi_k3())["vision"]
+    assert (full["tower_params"], full["projector_params"]) == (401_214_464, 46_144_512)
