@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-budget", type=int, default=2048, help="prefill tokens per step for each of the "
                    "short and the long class")
     p.add_argument("--default-max-tokens", type=int, default=4096)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs)")
+    p.add_argument("--cuda-graph-max-len", type=int, default=16384,
+                   help="contexts up to this many tokens decode in CUDA graphs, longer ones eagerly")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU serving)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=run)
@@ -84,7 +87,8 @@ def build(args: argparse.Namespace):
     cfg = EngineConfig(memory_budget_bytes=budget, page_size=args.page_size, unit_size=args.unit_size,
                        enable_prefix_cache=not args.no_prefix_cache, checkpoint_every_units=args.checkpoint_every_units,
                        max_running=args.max_running, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
-                       short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget)
+                       short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget,
+                       cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len)
     engine = Engine(model, tokenizer, cfg)
     names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
     app = build_app(AsyncEngine(engine), tokenizer, ServerConfig(model_names=names,

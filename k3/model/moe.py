@@ -66,7 +66,8 @@ class RoutedExperts(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=E)
+        # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
+        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         xs = z.index_select(0, token)  # (backward: one index_add, not an accumulating index_put)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
@@ -85,7 +86,10 @@ class RoutedExperts(nn.Module):
                     for e, xe in enumerate(xs.split(sizes)) if sizes[e]]
             y = torch.cat(outs) if outs else xs.new_zeros(0, w2.shape[1])
         contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
-        return torch.zeros(N, y.shape[1], dtype=torch.float32, device=z.device).index_add_(0, token, contrib)
+        # back to (token, k) order, then a sum over k: a fixed reduction order (atomic index_add on CUDA
+        # is not), so a CUDA graph replay and an eager step give identical bits
+        unsorted = torch.empty_like(contrib).index_copy_(0, order, contrib)
+        return unsorted.view(N, k, -1).sum(1)
 
 
 class LatentMoE(nn.Module):

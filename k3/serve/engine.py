@@ -24,6 +24,7 @@ import torch
 
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
 from k3.serve.metrics import EngineMetrics
+from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
@@ -39,6 +40,9 @@ class EngineConfig:
     long_prompt_threshold: prompts longer than this use the long prefill budget.
     short/long_prefill_budget: prefill tokens per step for each class (leftovers are shared).
     max_model_len: context limit (default: the config's max_position_embeddings).
+    cuda_graphs: replay decode steps as CUDA graphs (CUDA, bf16 weights; `k3.serve.model_runner`);
+    cuda_graph_max_len: contexts up to this many tokens decode in graphs, longer ones eagerly.
+    static_decode: run the graphs' static-shape decode path eagerly where graphs are not used (tests).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -58,10 +62,13 @@ class EngineConfig:
     max_waiting: int = 4096
     kda_backend: str | None = None
     flush_denormal: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_max_len: int = 16384
+    static_decode: bool = False
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
-                     "long_prefill_budget", "max_waiting", "long_prompt_threshold"):
+                     "long_prefill_budget", "max_waiting", "long_prompt_threshold", "cuda_graph_max_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -151,6 +158,10 @@ class Engine:
         self.scheduler = Scheduler(sc, self.pool, self.prefix)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        graphs = cfg.cuda_graphs and graphs_supported(model, self.device)
+        self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
+                                   max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
+                                   use_graphs=graphs) if graphs or cfg.static_decode else None
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -278,6 +289,12 @@ class Engine:
         """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
+        if decode and self.runner is not None:
+            logits = self.runner.decode([r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs],
+                                        [r.slot for r in reqs], [r.pages for r in reqs])
+            if logits is not None:  # else: beyond the runner's buckets, run the dynamic path
+                self._computed(batch)
+                return logits
         cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=decode)
         if decode:
@@ -291,11 +308,14 @@ class Engine:
             h, _ = self.model.model(ids, cu_seqlens=cu, cache=cache)
             last = h[0, cu[1:] - 1]
         cache.commit()
+        self._computed(batch)
+        return self.model.lm_head(last)
+
+    def _computed(self, batch: list[tuple[Request, int]]) -> None:
         for r, n in batch:
             # prompt tokens computed here (the last one usually runs in a decode batch)
             self.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
             r.num_computed += n
-        return self.model.lm_head(last)
 
     def _on_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> None:
         now = time.time()

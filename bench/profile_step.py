@@ -1,0 +1,113 @@
+"""Where the time goes: torch.profiler tables for one training step and for serving decode steps.
+
+    python bench/profile_step.py                 # k3-small on CUDA: train step (T 8192), optimizer, decode
+    python bench/profile_step.py --tiny --device cpu
+
+Prints, per phase, wall time, the summed device-kernel time (if the two differ a lot the phase is
+bound by host overhead, not by the GPU) and the top operators by self device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3.config import get_preset  # noqa: E402
+from k3.model.causal_lm import K3ForCausalLM  # noqa: E402
+from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _report(name: str, prof, wall: float, device: torch.device, rows: int) -> None:
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = prof.key_averages()
+    dev_total = sum(getattr(e, key, 0.0) for e in events) / 1e3
+    print(f"\n## {name}: wall {wall * 1e3:.1f} ms, summed {'device' if device.type == 'cuda' else 'cpu'} "
+          f"self time {dev_total:.1f} ms")
+    print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
+
+def profile_phase(name: str, fn, device: torch.device, rows: int) -> None:
+    fn()
+    _sync(device)  # warm-up (Triton compiles, allocator)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    _report(name, prof, wall, device, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="k3-small")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--phases", default="train,optim,decode")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    preset = "k3-tiny" if args.tiny else args.preset
+    T = args.seq_len or (128 if args.tiny else 8192)
+    tokens = args.tokens or (256 if args.tiny else 16384)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(device)
+    if device.type == "cuda":
+        model.set_kda_backend("triton")
+    opt = PerHeadMuon(build_param_groups(model, HeadGeometry.from_config(model.config.text_config), lr=1e-3,
+                                         weight_decay=0.1))
+    B = max(1, tokens // T)
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(0, vocab, (1, B * T + 1), device=device)
+    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int32)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    phases = args.phases.split(",")
+
+    def fwd_bwd() -> None:
+        with amp:
+            loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
+        loss.backward()
+
+    if "train" in phases:
+        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows)
+    if "optim" in phases:
+        fwd_bwd()
+        profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows)
+    opt.zero_grad(set_to_none=True)
+    if "decode" in phases:
+        from k3.serve.engine import Engine, EngineConfig
+        from k3.serve.sampling import SamplingParams
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model.to(dtype)
+        eng = Engine(model, None, EngineConfig(memory_budget_bytes=8 << 30 if device.type == "cuda" else 256 << 20))
+        prompts = [torch.randint(0, vocab, (200 + 7 * i,)).tolist() for i in range(args.decode_batch)]
+        for p in prompts:
+            eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+        while any(r.num_computed < r.prompt_len - 1 for r in eng.scheduler.running) or eng.num_waiting:
+            eng.step()
+
+        def decode_steps() -> None:
+            for _ in range(8):
+                eng.step()
+
+        profile_phase(f"serving: 8 decode steps at batch {args.decode_batch}", decode_steps, device, args.rows)
+
+
+if __name__ == "__main__":
+    main()
