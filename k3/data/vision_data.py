@@ -15,8 +15,9 @@ splices them into the media-pad positions in row-major order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ class VisionBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device: torch.device | str) -> "VisionBatch":
+    def to(self, device: torch.device | str) -> VisionBatch:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device)
         return VisionBatch(self.input_ids.to(device), self.labels.to(device), [m.to(device) for m in self.media],
                            self.num_targets, cu)

@@ -116,10 +116,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: l
         groups[n].append(i)
     outs: list[torch.Tensor | None] = [None] * len(lens)
     for n, ids in groups.items():
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return torch.stack([t[starts[i]:starts[i] + n] for i in ids]).transpose(1, 2)  # [g, heads, n, d]
-
-        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v)).transpose(1, 2)
+        qs, ks, vs = (torch.stack([t[starts[i]:starts[i] + n] for i in ids]).transpose(1, 2)  # [g, heads, n, d]
+                      for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         for j, i in enumerate(ids):
             outs[i] = o[j]
     return torch.cat(outs)  # type: ignore[arg-type]

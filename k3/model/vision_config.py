@@ -103,7 +103,7 @@ class VisionConfig:
                 raise ValueError(f"vision_config.{name}: must be one of {list(allowed)}, got {getattr(self, name)!r}")
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"vision_config.{name}: must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"vision_config.{name}: must be true or false, got {getattr(self, name)!r}")  # noqa: TRY004
         for name in ("rope_theta", "layer_norm_eps", "rms_norm_eps"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:

@@ -10,8 +10,9 @@ norm weights get AdamW without decay.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from k3.optim import build_param_groups
 from k3.optim.muon import BlockSpec
 from k3.train.config import TrainConfig
 
-__all__ = ["VisionData", "joint_loss", "param_groups", "prepare_vision_data", "SCORED_KINDS"]
+__all__ = ["SCORED_KINDS", "VisionData", "joint_loss", "param_groups", "prepare_vision_data"]
 
 SCORED_KINDS = ("colour", "shape", "count")  # the kinds whose examples carry answer choices
 

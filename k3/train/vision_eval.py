@@ -9,8 +9,9 @@ candidate. Accuracy is reported overall and per kind next to the chance level (1
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

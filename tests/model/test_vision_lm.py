@@ -13,7 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from k3.config import k3_tiny, k3_tiny_vl, kimi_k3
 from k3.model.causal_lm import K3ForCausalLM
-from k3.model.checkpoint import CheckpointError, internal_shapes, load_checkpoint, official_shapes
+from k3.model.checkpoint import (
+    CheckpointError,
+    internal_shapes,
+    load_checkpoint,
+    official_shapes,
+)
 
 ATOL = 2e-5  # fp32 logits of magnitude ~1
 CFG = k3_tiny_vl()

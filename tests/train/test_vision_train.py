@@ -13,14 +13,23 @@ from PIL import Image, ImageDraw
 from k3.config import apply_overrides, k3_tiny, k3_tiny_vl
 from k3.data.packing import IGNORE_INDEX
 from k3.data.tokenizer import train_bpe_tokenizer
-from k3.data.vision_data import VisionLoader, collate_examples, pack_examples, render_example
+from k3.data.vision_data import (
+    VisionLoader,
+    collate_examples,
+    pack_examples,
+    render_example,
+)
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.vision_config import num_media_tokens, tiny_vision_config
 from k3.optim import HeadGeometry, build_param_groups
+from k3.train import vision_eval
 from k3.train.config import TrainConfig
 from k3.train.vision import joint_loss, param_groups
-from k3.train import vision_eval
-from k3.train.vision_eval import evaluate_vision, score_candidates, score_candidates_reference
+from k3.train.vision_eval import (
+    evaluate_vision,
+    score_candidates,
+    score_candidates_reference,
+)
 
 VOCAB = 512
 BASE = VOCAB - 256
@@ -188,12 +197,13 @@ def test_tiny_vl_training_smoke(corpus, tmp_path):
     from k3.train.metrics import read_metrics
     from k3.train.trainer import Trainer
 
-    cfg = TrainConfig.from_dict(dict(
-        preset="k3-tiny-vl", data=str(corpus), out=str(tmp_path / "run"), max_steps=8, seed=0, deterministic=True,
-        tokens_per_step=128, stages=[{"seq_len": 64, "fraction": 1.0}], eval_every=8, eval_tokens=256,
-        eval_seq_len=64, warmup_steps=2, val_fraction=0.1, model=MODEL | {"vision_config": tiny_vision_config(64).to_dict()},
-        cache_dir=str(tmp_path / "cache"), qb_bins=64, vision_batch_size=4, vision_train_examples=24,
-        vision_eval_examples=6, vision_image_size=[28, 56], vision_kinds={"colour": 1, "shape": 1, "count": 1}))
+    cfg = TrainConfig.from_dict({
+        "preset": "k3-tiny-vl", "data": str(corpus), "out": str(tmp_path / "run"), "max_steps": 8, "seed": 0,
+        "deterministic": True, "tokens_per_step": 128, "stages": [{"seq_len": 64, "fraction": 1.0}],
+        "eval_every": 8, "eval_tokens": 256, "eval_seq_len": 64, "warmup_steps": 2, "val_fraction": 0.1,
+        "model": MODEL | {"vision_config": tiny_vision_config(64).to_dict()}, "cache_dir": str(tmp_path / "cache"),
+        "qb_bins": 64, "vision_batch_size": 4, "vision_train_examples": 24, "vision_eval_examples": 6,
+        "vision_image_size": [28, 56], "vision_kinds": {"colour": 1, "shape": 1, "count": 1}})
     result = Trainer(cfg).run()
     recs = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if "vision_loss" in r]
     vl = [r["vision_loss"] for r in recs]
