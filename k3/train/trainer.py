@@ -121,9 +121,10 @@ class Trainer:
 
     def _resume(self) -> None:
         st = load_state(self.ckpt_dir)
-        if st["train_config"] != self.cfg.to_dict() | {"out": st["train_config"]["out"]}:
-            changed = sorted(k for k, v in self.cfg.to_dict().items()
-                             if k != "out" and st["train_config"].get(k) != v)
+        # Through from_dict: keys added to TrainConfig after the checkpoint was written take their defaults.
+        saved = TrainConfig.from_dict(st["train_config"]).to_dict()
+        if saved != self.cfg.to_dict() | {"out": saved["out"]}:
+            changed = sorted(k for k, v in self.cfg.to_dict().items() if k != "out" and saved.get(k) != v)
             raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
         if isinstance(st["model"], str):  # "dcp": a sharded checkpoint from a distributed run
             from k3.distributed.checkpoint import load_dcp

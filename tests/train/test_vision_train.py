@@ -213,3 +213,8 @@ def test_tiny_vl_training_smoke(corpus, tmp_path):
     assert v is not None and v["n"] == 6 and 0.0 <= v["accuracy"] <= 1.0 and 0 < v["chance"] < 1
     back = K3ForCausalLM.from_pretrained(tmp_path / "run" / "final")
     assert back.vision is not None and back.config.media_placeholder_token_id == BASE + 21
+    # the checkpoint carries the vision loader position; resume restores it
+    state = torch.load(tmp_path / "run" / "checkpoint" / "train_state.pt", weights_only=False)
+    assert state["vision_loader"]["cursor"] == 8 * 4 % 24 and state["vision_loader"]["epoch"] == 1
+    again = Trainer(cfg, resume=True)
+    assert again.step == 8 and again.vision.loader.state_dict() == state["vision_loader"]
