@@ -25,9 +25,9 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
