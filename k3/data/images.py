@@ -142,6 +142,36 @@ def _open(data: bytes, max_side: int) -> Image.Image:
     return img
 
 
+def peek_image(data: bytes, *, max_side: int = MAX_IMAGE_SIDE) -> tuple[Image.Image, int, int, int]:
+    """Read only the header of encoded image `data` -> (lazy PIL image, width, height, frames).
+
+    Checks format and size without decoding pixels, so callers can budget before `decode_image`.
+    """
+    img = _open(data, max_side)
+    try:
+        frames = int(getattr(img, "n_frames", 1))
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ImageError(f"cannot decode the image frames (truncated or corrupt data): {e}") from None
+    return img, img.size[0], img.size[1], frames
+
+
+def decode_image(img: Image.Image) -> torch.Tensor:
+    """A `peek_image` result -> float32 [3, H, W] in [-1, 1] (animated images: first frame)."""
+    return pil_to_tensor(_decode(img))
+
+
+def decode_frames(img: Image.Image, max_frames: int = MAX_VIDEO_FRAMES) -> torch.Tensor:
+    """A `peek_image` result -> all its frames as float32 [T, 3, H, W] in [-1, 1]."""
+    n = int(getattr(img, "n_frames", 1))
+    if n > max_frames:
+        raise ImageError(f"video has {n} frames, above the limit of {max_frames}")
+    try:
+        frames = [pil_to_tensor(_to_rgb(f.copy())) for f in ImageSequence.Iterator(img)]
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ImageError(f"cannot decode the video frames (truncated or corrupt data): {e}") from None
+    return stack_frames(frames)
+
+
 def _to_rgb(frame: Image.Image) -> Image.Image:
     """RGB; transparent pixels are composited over white (their stored colour is arbitrary)."""
     if frame.mode == "RGB":
@@ -222,14 +252,7 @@ def load_video(source: str | bytes | Sequence, *, max_side: int = MAX_IMAGE_SIDE
         frames = [load_image(f, max_side=max_side, max_bytes=max_bytes, allow_local=allow_local) for f in source]
         return stack_frames(frames)
     img = _open(read_image_bytes(source, max_bytes=max_bytes, allow_local=allow_local), max_side)
-    n = getattr(img, "n_frames", 1)
-    if n > max_frames:
-        raise ImageError(f"video has {n} frames, above the limit of {max_frames}")
-    try:
-        frames = [pil_to_tensor(_to_rgb(f.copy())) for f in ImageSequence.Iterator(img)]
-    except (OSError, ValueError, SyntaxError) as e:
-        raise ImageError(f"cannot decode the video frames (truncated or corrupt data): {e}") from None
-    return stack_frames(frames)
+    return decode_frames(img, max_frames)
 
 
 def stack_frames(frames: Sequence[torch.Tensor]) -> torch.Tensor:
