@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
-from k3.serve.media import MediaPrefixHasher, encode_request_media, prefill_embeds, vision_config_of
+from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_media, prefill_embeds, vision_config_of
 from k3.serve.metrics import EngineMetrics
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
@@ -135,7 +135,7 @@ class Engine:
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
         self.vocab_limit = min(tc.vocab_size, tokenizer.vocab_size) if tokenizer is not None else tc.vocab_size
         self.vision = vision_config_of(model)  # None: text-only (requests with media are refused)
-        self.media_pad_id = model.config.media_placeholder_token_id
+        self.media_pad_id = check_media_pad(model, tokenizer) if self.vision is not None else None
         self.layout = CacheLayout.from_config(tc, cfg.page_size, self.dtype)
         self.pool = BlockPool(self.layout, BlockPool.blocks_for_budget(self.layout, cfg.memory_budget_bytes),
                               self.device)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from k3.chat.media import num_tokens_for
+from k3.chat.media import MEDIA_PAD, num_tokens_for
 from k3.model.vision import VisionConfig
 from k3.serve.prefix_cache import PrefixHasher
 
@@ -39,6 +39,15 @@ def vision_config_of(model: Any) -> VisionConfig | None:
     if isinstance(vc, VisionConfig):
         return vc
     return VisionConfig.from_dict(vc, text_hidden_size=model.config.text_config.hidden_size)
+
+
+def check_media_pad(model: Any, tokenizer: Any) -> int:
+    """The model's `<|media_pad|>` id; ValueError when the tokenizer puts that token elsewhere."""
+    pad = int(model.config.media_placeholder_token_id)
+    if tokenizer is not None and tokenizer.special_id(MEDIA_PAD) != pad:
+        raise ValueError(f"the tokenizer's {MEDIA_PAD} id is {tokenizer.special_id(MEDIA_PAD)} but the model's "
+                         f"media_placeholder_token_id is {pad}: use the tokenizer the model was trained with")
+    return pad
 
 
 def media_digest(t: torch.Tensor) -> bytes:
@@ -90,7 +99,7 @@ def encode_request_media(model: Any, media: Sequence[torch.Tensor], prompt_ids: 
         embeds = model.encode_media([m.to(device) for m in items])
     except ValueError:
         raise
-    except Exception as e:  # an encoder failure fails this request, never the engine
+    except Exception as e:  # noqa: BLE001 (an encoder failure fails this request, never the engine)
         raise ValueError(f"encoding the media failed: {type(e).__name__}: {e}") from None
     if embeds.dim() != 2 or embeds.shape[0] != len(positions):
         raise ValueError(f"the prompt has {len(positions)} <|media_pad|> tokens but its media encode to "

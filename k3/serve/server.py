@@ -22,8 +22,8 @@ from starlette.requests import ClientDisconnect
 
 from k3.chat import ChatFormatError, render_segments
 from k3.chat.media import ChatMediaError, load_chat_media
-from k3.data.images import MAX_IMAGE_BYTES
 from k3.chat.xtml import SegmentBuilder
+from k3.data.images import MAX_IMAGE_BYTES
 from k3.serve.async_engine import AsyncEngine, Overloaded
 from k3.serve.chat_output import ChatAssembler, CompletionAssembler
 from k3.serve.metrics import prometheus_text
