@@ -297,3 +297,74 @@ def test_http_malformed_parts_and_context(vl_client):
     big = encode_png_data_uri(Image.new("RGB", (900, 900)))  # 33 x 33 = 1089 media tokens > 1024 context
     r = _post(vl_client, [_image_part(big)])
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------------ live
+
+
+def test_live_k3_serve_vl_checkpoint(tmp_path, vl_model, vl_tok):
+    """`k3 serve --checkpoint` on a saved k3-tiny-vl checkpoint: a PNG data URI is answered, bad
+    images get 400 and the server keeps serving."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tests.serve.conftest import _free_port
+
+    vl_model.save_pretrained(tmp_path)
+    vl_tok.save(tmp_path)
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "k3", "serve", "--checkpoint", str(tmp_path), "--port", str(port), "--threads", "1",
+           "--served-model-name", "k3-tiny-vl", "--memory-budget-mb", "32", "--page-size", "16", "--unit-size", "64",
+           "--max-model-len", "2048", "--default-max-tokens", "4", "--max-image-mb", "0.5"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
+    base = f"http://127.0.0.1:{port}"
+
+    def post(url: str) -> tuple[int, dict]:
+        body = {"model": "k3-tiny-vl", "temperature": 0, "messages": [{"role": "user", "content": [
+            _image_part(url), {"type": "text", "text": "What colour is the shape?"}]}]}
+        req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, log.read_text()
+            time.sleep(0.3)
+        status, body = post(encode_png_data_uri(_img(84, 56, 7)))
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 4 and body["usage"]["prompt_tokens"] > 6
+        for bad, code in [("data:image/png;base64,iVBORw0KGgo=", "invalid_image"),
+                          ("data:image/png;base64,", "invalid_image"),
+                          (encode_png_data_uri(Image.new("RGB", (4000, 4))), "invalid_image"),
+                          (encode_png_data_uri(_img(600, 600, 1)), "invalid_image")]:  # > 0.5 MB
+            status, body = post(bad)
+            assert status == 400 and body["error"]["code"] == code, body
+        assert post(encode_png_data_uri(_img(28, 28, 2)))[0] == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
