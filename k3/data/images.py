@@ -53,13 +53,15 @@ def _data_uri_bytes(uri: str, max_bytes: int) -> bytes:
     params = [p.strip().lower() for p in head[len("data:") :].split(";")]
     mediatype = params[0]
     if mediatype and not (mediatype.startswith("image/") or mediatype == "application/octet-stream"):
-        raise ImageError(f"data URI media type {mediatype!r} is not an image type (expected image/png, image/jpeg, ...)")
+        raise ImageError(f"data URI media type {mediatype!r} is not an image type "
+                         "(expected image/png, image/jpeg, ...)")
     if "base64" not in params[1:]:
         data = urllib.parse.unquote_to_bytes(payload)
     else:
         compact = "".join(payload.split())  # some clients wrap base64 at 76 columns
         if len(compact) * 3 // 4 > max_bytes + 3:
-            raise ImageError(f"image is larger than the {max_bytes}-byte limit (data URI of {len(compact)} base64 characters)")
+            raise ImageError(f"image is larger than the {max_bytes}-byte limit "
+                             f"(data URI of {len(compact)} base64 characters)")
         try:
             data = base64.b64decode(compact, validate=True)
         except (binascii.Error, ValueError) as e:
@@ -71,7 +73,8 @@ def _file_bytes(path: str, max_bytes: int) -> bytes:
     try:
         st = os.stat(path)
     except OSError:
-        raise ImageError(f"image file not found: {_describe(path)!r} (expected a data: URI or an existing local file path)") from None
+        raise ImageError(f"image file not found: {_describe(path)!r} "
+                         "(expected a data: URI or an existing local file path)") from None
     if not os.path.isfile(path):
         raise ImageError(f"image path is not a regular file: {_describe(path)!r}")
     if st.st_size > max_bytes:
@@ -106,8 +109,9 @@ def read_image_bytes(source: str | bytes | bytearray | memoryview, *, max_bytes:
             path = urllib.parse.unquote(urllib.parse.urlparse(src).path) if scheme == "file" else src
             data = _file_bytes(path, max_bytes)
         elif scheme in ("http", "https", "ftp", "ftps", "s3", "gs"):
-            raise ImageError(f"remote image URLs are not supported ({scheme}:// given): k3 has no network access; "
-                             "send the image inline as a base64 data: URI (data:image/png;base64,...) or a local file path")
+            raise ImageError(f"remote image URLs are not supported ({scheme}:// given): k3 has no network "
+                             "access; send the image inline as a base64 data: URI (data:image/png;base64,...) "
+                             "or a local file path")
         else:
             raise ImageError(f"unsupported image URL scheme {scheme!r} (expected a data: URI or a local file path)")
     else:
@@ -129,7 +133,8 @@ def _open(data: bytes, max_side: int) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=FORMATS)
     except UnidentifiedImageError:
-        raise ImageError(f"cannot decode the image: not a valid image in a supported format ({', '.join(FORMATS)})") from None
+        raise ImageError("cannot decode the image: not a valid image in a supported format "
+                         f"({', '.join(FORMATS)})") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageError(f"image has too many pixels (the limit is {max_side}x{max_side})") from None
     except (OSError, ValueError, SyntaxError) as e:

@@ -119,7 +119,8 @@ def _shape_points(shape: str, cx: float, cy: float, r: float, angle: float) -> l
     if shape == "diamond":
         return [(cx, cy - r), (cx + r * 0.8, cy), (cx, cy + r), (cx - r * 0.8, cy)]
     if shape == "triangle":
-        return [(cx + r * math.cos(angle + k * 2 * math.pi / 3), cy + r * math.sin(angle + k * 2 * math.pi / 3)) for k in range(3)]
+        angles = [angle + k * 2 * math.pi / 3 for k in range(3)]
+        return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in angles]
     if shape == "star":
         pts = []
         for k in range(10):

@@ -54,7 +54,8 @@ def test_deterministic_per_seed_and_prefix_stable():
     b = generate_examples(12, 5)
     c = generate_examples(5, 5)
     for x, y in zip(a, b):
-        assert x.image.tobytes() == y.image.tobytes() and (x.question, x.answer, x.kind) == (y.question, y.answer, y.kind)
+        assert x.image.tobytes() == y.image.tobytes()
+        assert (x.question, x.answer, x.kind) == (y.question, y.answer, y.kind)
     for x, y in zip(a, c):
         assert x.image.tobytes() == y.image.tobytes()
 

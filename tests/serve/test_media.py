@@ -118,6 +118,21 @@ def test_chunked_media_prefill_matches_reference(vl_model, vl_tok):
     assert chunked[0] == int(ref.argmax())
 
 
+def test_video_and_two_images_in_one_prompt(vl_model, vl_tok):
+    frames = [encode_png_data_uri(_img(40, 30, s)) for s in (4, 5, 6)]
+    msgs = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": encode_png_data_uri(_img(30, 60, 7))}},
+        {"type": "video", "video": frames},
+        {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": encode_png_data_uri(_img(29, 29, 8))}}]}]
+    ids, media = _prompt(vl_tok, vl_model, msgs)
+    assert [m.dim() for m in media] == [3, 4, 3]
+    assert ids.count(vl_tok.special_id(MEDIA_PAD)) == 3 * 2 + 2 * (2 * 2) + 2 * 2  # 60x30, 3 frames, 29x29
+    eng = _engine(vl_model, vl_tok, short_prefill_budget=7, long_prefill_budget=7)
+    chunked, _ = _run(eng, eng.add_request(ids, GREEDY, media=media))
+    assert chunked == _reference_greedy(vl_model, ids, media, 4)
+
+
 def test_images_change_the_output_and_are_encoded_once(vl_model, vl_tok, monkeypatch):
     calls = []
     real = vl_model.encode_media
