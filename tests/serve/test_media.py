@@ -141,7 +141,7 @@ def test_images_change_the_output_and_are_encoded_once(vl_model, vl_tok, monkeyp
     lps = []
     for seed in (1, 2):
         ids, media = _prompt(vl_tok, vl_model, _chat(encode_png_data_uri(_img(56, 56, seed))))
-        eng = _engine(vl_model, vl_tok, short_prefill_budget=3, long_prefill_budget=3)
+        eng = _engine(vl_model, vl_tok, short_prefill_budget=10, long_prefill_budget=10)
         rid = eng.add_request(ids, params, media=media)
         while eng.has_unfinished():
             for o in eng.step():
