@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
+from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_media, prefill_embeds, vision_config_of
 from k3.serve.metrics import EngineMetrics
 from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
@@ -140,6 +141,8 @@ class Engine:
         self.max_model_len = cfg.max_model_len or tc.max_position_embeddings
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
         self.vocab_limit = min(tc.vocab_size, tokenizer.vocab_size) if tokenizer is not None else tc.vocab_size
+        self.vision = vision_config_of(model)  # None: text-only (requests with media are refused)
+        self.media_pad_id = check_media_pad(model, tokenizer) if self.vision is not None else None
         self.layout = CacheLayout.from_config(tc, cfg.page_size, self.dtype)
         self.pool = BlockPool(self.layout, BlockPool.blocks_for_budget(self.layout, cfg.memory_budget_bytes),
                               self.device)
@@ -186,8 +189,11 @@ class Engine:
                              f"{self.max_tokens_limit(0)} tokens")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, checkpoint_positions: Sequence[int] = ()) -> str:
-        """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint."""
+                    request_id: str | None = None, checkpoint_positions: Sequence[int] = (),
+                    media: Sequence[torch.Tensor] | None = None) -> str:
+        """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint.
+        media: images [3, H, W] / videos [T, 3, H, W] (normalised floats) for the prompt's
+        `<|media_pad|>` runs, in order; encoded here, once (see k3.serve.media)."""
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.vocab_limit for t in ids):
@@ -196,13 +202,18 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        encoded = None
+        if media:
+            with torch.inference_mode():
+                encoded = encode_request_media(self.model, media, ids, self.media_pad_id, self.device, self.dtype)
         req = Request(
             request_id=rid, tokens=ids, params=params, arrival=time.time(), rng=make_rng(params),
             detok=Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else _NullDetok(),
             long=len(ids) > self.config.long_prompt_threshold, max_sampled=params.max_tokens,
-            extra_checkpoints=tuple(int(p) for p in checkpoint_positions),
+            extra_checkpoints=tuple(int(p) for p in checkpoint_positions), media=encoded,
         )
-        req.hasher = PrefixHasher(req.tokens, self.config.unit_size)
+        req.hasher = (PrefixHasher(req.tokens, self.config.unit_size) if encoded is None
+                      else MediaPrefixHasher(req.tokens, self.config.unit_size, encoded.spans))
         self.requests[rid] = req
         self.scheduler.add(req)
         self.metrics.requests_added += 1
@@ -305,7 +316,9 @@ class Engine:
             flat = [t for r, n in batch for t in r.tokens[r.num_computed: r.num_computed + n]]
             ids = torch.tensor(flat, device=self.device)[None]
             cu = torch.tensor([0] + ns, device=self.device).cumsum(0)
-            h, _ = self.model.model(ids, cu_seqlens=cu, cache=cache)
+            embeds = prefill_embeds(self.model, ids, batch)  # media rows spliced in, or None
+            h, _ = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
+                                    cache=cache)
             last = h[0, cu[1:] - 1]
         cache.commit()
         self._computed(batch)
