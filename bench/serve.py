@@ -8,10 +8,14 @@
     `--gsp-prompts` prompts; a group shares a `--gsp-system-len` system prompt, each prompt adds a
     `--gsp-question-len` question; `--gsp-output-len` output tokens; `--gsp-concurrency` in flight.
 
-Reports throughput, time to first token and the share of reusable prompt tokens served from the
-cache, as JSON lines (and a Markdown table with --markdown).
+(c) batch decode: `--decode-batches` requests with `--decode-context`-token prompts decode together;
+    tokens/s of pure decode steps (sampling included), CUDA graphs vs eager (`--decode-modes`).
 
-    python bench/serve.py                      # GPU, k3-small, full sizes
+Reports throughput, time to first token and the share of reusable prompt tokens served from the
+cache, as JSON lines (and Markdown tables with --markdown).
+
+    python bench/serve.py --quick --markdown   # GPU, k3-small, reduced sizes (a few minutes on an H200)
+    python bench/serve.py                      # GPU, k3-small, full sizes (benchmarks.md protocol)
     python bench/serve.py --tiny               # CPU smoke run: k3-tiny, small sizes
 """
 
@@ -39,17 +43,26 @@ from k3.serve.sampling import SamplingParams  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes with k3-tiny")
+    p.add_argument("--quick", action="store_true", help="reduced GPU sizes: fewer turns, clients, groups")
     p.add_argument("--preset", default=None, help="model preset (default k3-small, k3-tiny with --tiny)")
     p.add_argument("--checkpoint", default=None, help="load weights instead of random ones")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--which", default="agentic,gsp", help="comma list of: agentic, gsp")
+    p.add_argument("--which", default="decode,agentic,gsp", help="comma list of: decode, agentic, gsp")
     p.add_argument("--cache", default="on,off", help="comma list of: on, off")
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--unit-size", type=int, default=None)
     p.add_argument("--prefill-budget", type=int, default=None)
     p.add_argument("--kda-backend", default=None)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="agentic / gsp: decode eagerly")
+    p.add_argument("--cuda-graph-max-len", type=int, default=32768)
+    # batch decode
+    p.add_argument("--decode-batches", default=None, help="comma list of batch sizes")
+    p.add_argument("--decode-context", type=int, default=None, help="prompt tokens per request")
+    p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per batch size")
+    p.add_argument("--decode-modes", default=None,
+                   help="comma list of: graphs (CUDA), static (static path, eager), eager (dynamic path)")
     # agentic trace
     p.add_argument("--system-len", type=int, default=None)
     p.add_argument("--turns", type=int, default=None)
@@ -71,11 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 system_len=10240, turns=12, clients=8, user_len=200, tool_len=600, output_len=128,
                 gsp_groups=50, gsp_prompts=10, gsp_system_len=10240, gsp_question_len=256, gsp_output_len=128,
                 gsp_concurrency=5)
+    full.update(decode_batches="1,8,32,64", decode_context=1024, decode_steps=64)
+    quick = dict(full, turns=6, clients=4, output_len=64, gsp_groups=8, gsp_prompts=5, gsp_output_len=64,
+                 decode_steps=32)
     tiny = dict(preset="k3-tiny", memory_budget_gb=0.25, page_size=32, unit_size=64, prefill_budget=512,
                 system_len=384, turns=4, clients=2, user_len=24, tool_len=48, output_len=8,
                 gsp_groups=3, gsp_prompts=3, gsp_system_len=384, gsp_question_len=32, gsp_output_len=8,
-                gsp_concurrency=2)
-    for k, v in (tiny if args.tiny else full).items():
+                gsp_concurrency=2, decode_batches="1,4", decode_context=40, decode_steps=3)
+    for k, v in (tiny if args.tiny else quick if args.quick else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     return args
@@ -160,6 +176,67 @@ def run_gsp(engine: Engine, args: argparse.Namespace, tok: Tokens) -> list[Job]:
     return jobs
 
 
+DECODE_WARMUP = 3
+
+
+def run_decode(model, args: argparse.Namespace, mode: str, tok: Tokens, eos: int) -> list[dict]:
+    """Batch-decode throughput of one mode at each batch size: B requests of `decode_context` prompt
+    tokens are prefilled, then `decode_steps` steps where every request decodes one token are timed
+    (sampling and engine bookkeeping included; graph captures happen before the timing)."""
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    budget = max(args.prefill_budget, args.decode_context)
+    engine = Engine(model, None, EngineConfig(
+        memory_budget_bytes=int(min(args.memory_budget_gb, 8.0) * (1 << 30)), page_size=args.page_size,
+        unit_size=args.unit_size, enable_prefix_cache=False, max_running=max(batches), short_prefill_budget=budget,
+        long_prefill_budget=budget, max_model_len=model.config.text_config.max_position_embeddings,
+        kda_backend=args.kda_backend, cuda_graphs=mode == "graphs", static_decode=mode == "static",
+        cuda_graph_max_len=args.cuda_graph_max_len), eos_id=eos)
+    runner = engine.runner
+    if mode == "graphs" and (runner is None or not runner.use_graphs):
+        raise SystemExit("decode mode 'graphs' needs CUDA and bfloat16 weights")
+    rows = []
+    for B in batches:
+        total = DECODE_WARMUP + args.decode_steps + 1
+        params = SamplingParams(temperature=0, max_tokens=total + 1, ignore_eos=True)
+        ids = [engine.add_request(tok.message(args.decode_context - 1), params) for _ in range(B)]
+        started: set[str] = set()
+        while len(started) < B:  # prefill, and each request's first token
+            started.update(o.request_id for o in engine.step() if o.new_token_ids)
+        if runner is not None:  # every bucket the timed steps use
+            runner.warmup(B, args.decode_context, args.decode_context + total + 1)
+        for _ in range(DECODE_WARMUP):
+            engine.step()
+        sync(model)
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            engine.step()
+        sync(model)
+        wall = time.perf_counter() - t0
+        for rid in ids:
+            engine.abort(rid)
+        row = {"workload": "decode", "mode": mode, "batch": B, "context": args.decode_context,
+               "steps": args.decode_steps, "ms_per_step": round(1e3 * wall / args.decode_steps, 3),
+               "decode_tok_s": round(B * args.decode_steps / wall, 1),
+               "graph_captures": runner.num_captures if runner is not None else 0}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def context_range(which: str, args: argparse.Namespace) -> tuple[int, int, int]:
+    """(concurrent requests, shortest, longest context in tokens) of a workload's decode steps."""
+    if which == "agentic":
+        first = args.system_len + args.user_len + 5
+        return args.clients, first, first + (args.turns - 1) * (args.output_len + args.tool_len + 5) + args.output_len
+    first = args.gsp_system_len + args.gsp_question_len + 5
+    return args.gsp_concurrency, first, first + args.gsp_output_len
+
+
+def sync(model) -> None:
+    if model.lm_head.weight.is_cuda:
+        torch.cuda.synchronize()
+
+
 def drive(engine: Engine, running: dict[str, Job], on_done) -> None:
     while running:
         for out in engine.step():
@@ -193,6 +270,28 @@ def summarize(name: str, cache: bool, jobs: list[Job], wall: float, engine: Engi
     }
 
 
+def make_engine(model: K3ForCausalLM, args: argparse.Namespace, cache: bool, eos: int) -> Engine:
+    cfg = model.config
+    return Engine(model, None, EngineConfig(
+        memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)), page_size=args.page_size,
+        unit_size=args.unit_size, enable_prefix_cache=cache, short_prefill_budget=args.prefill_budget,
+        long_prefill_budget=args.prefill_budget, long_prompt_threshold=4 * args.prefill_budget,
+        max_model_len=cfg.text_config.max_position_embeddings, kda_backend=args.kda_backend,
+        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len), eos_id=eos)
+
+
+def warm_up(model: K3ForCausalLM, args: argparse.Namespace, vocab: int, eos: int) -> None:
+    """A small untimed agentic run with the cache on and off: every Triton kernel variant the timed runs
+    use (prefill with and without a restored initial state, varlen, decode) is compiled here, so JIT
+    compilation does not land in whichever timed run comes first."""
+    small = argparse.Namespace(**vars(args))
+    small.system_len, small.turns, small.clients = 2 * args.unit_size + 7, 2, 2
+    small.user_len, small.tool_len, small.output_len = 16, 32, 4
+    for cache in (True, False):
+        run_agentic(make_engine(model, small, cache, eos), small, Tokens(vocab, eos, args.seed + 1))
+    sync(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -206,44 +305,70 @@ def main(argv: list[str] | None = None) -> int:
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed).to_dtype(dtype).to(device)
     cfg = model.config
     vocab, eos = cfg.text_config.vocab_size - 256, cfg.eos_token_id
-    rows = []
+    meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+                preset=args.preset, dtype=dtype)
+    rows, t_start = [], time.perf_counter()
+    if any(w != "decode" for w in args.which.split(",")):
+        warm_up(model, args, vocab, eos)
     for which in args.which.split(","):
+        if which == "decode":
+            modes = args.decode_modes or ("graphs,eager" if device.type == "cuda" else "static,eager")
+            for mode in modes.split(","):
+                rows += run_decode(model, args, mode, Tokens(vocab, eos, args.seed), eos)
+            continue
         for cache in args.cache.split(","):
-            engine = Engine(model, None, EngineConfig(
-                memory_budget_bytes=int(args.memory_budget_gb * (1 << 30)), page_size=args.page_size,
-                unit_size=args.unit_size, enable_prefix_cache=cache == "on", short_prefill_budget=args.prefill_budget,
-                long_prefill_budget=args.prefill_budget, long_prompt_threshold=4 * args.prefill_budget,
-                max_model_len=cfg.text_config.max_position_embeddings, kda_backend=args.kda_backend), eos_id=eos)
+            engine = make_engine(model, args, cache == "on", eos)
             tok = Tokens(vocab, eos, args.seed)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            if engine.runner is not None:  # graph captures before the clock starts
+                engine.runner.warmup(*context_range(which, args))
+            sync(model)
             t0 = time.perf_counter()
             jobs = run_agentic(engine, args, tok) if which == "agentic" else run_gsp(engine, args, tok)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(model)
             row = summarize(which, cache == "on", jobs, time.perf_counter() - t0, engine)
-            row.update(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                       preset=args.preset, dtype=dtype, kda_backend=model.model.layers[0].self_attn.kda_backend
-                       if hasattr(model.model.layers[0].self_attn, "kda_backend") else None)
+            row.update(meta, kda_backend=model.model.layers[0].self_attn.kda_backend
+                       if hasattr(model.model.layers[0].self_attn, "kda_backend") else None,
+                       cuda_graphs=engine.runner is not None and engine.runner.use_graphs,
+                       graph_captures=engine.runner.num_captures if engine.runner is not None else 0)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del engine
+    print(json.dumps({"total_wall_s": round(time.perf_counter() - t_start, 1), **meta}), flush=True)
     if args.markdown:
         print(markdown(rows))
     return 0
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = ["workload", "prefix_cache", "requests", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_s",
-            "ttft_p90_s", "reusable_served_from_cache"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    by = {(r["workload"], r["prefix_cache"]): r for r in rows}
-    for w in ("agentic", "gsp"):
-        if (w, True) in by and (w, False) in by:
-            lines.append(f"\n{w}: throughput with cache / without = "
-                         f"{by[(w, True)]['total_tok_s'] / by[(w, False)]['total_tok_s']:.2f}x")
-    return "\n".join(lines)
+    out = []
+    work = [r for r in rows if r["workload"] != "decode"]
+    if work:
+        cols = ["workload", "prefix_cache", "requests", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_s",
+                "ttft_p90_s", "reusable_served_from_cache"]
+        out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in work]
+        by = {(r["workload"], r["prefix_cache"]): r for r in work}
+        for w in ("agentic", "gsp"):
+            if (w, True) in by and (w, False) in by:
+                out.append(f"\n{w}: throughput with cache / without = "
+                           f"{by[(w, True)]['total_tok_s'] / by[(w, False)]['total_tok_s']:.2f}x")
+    dec = [r for r in rows if r["workload"] == "decode"]
+    if dec:
+        modes = list(dict.fromkeys(r["mode"] for r in dec))
+        tab = {(r["batch"], r["mode"]): r for r in dec}
+        head = ["batch"] + [f"{m} tok/s" for m in modes] + [f"{m} ms/step" for m in modes]
+        ratio = len(modes) == 2
+        if ratio:
+            head.append(f"{modes[0]} / {modes[1]}")
+        out += ["", f"batch decode, {dec[0]['context']}-token contexts:", "| " + " | ".join(head) + " |",
+                "|" + "---|" * len(head)]
+        for b in dict.fromkeys(r["batch"] for r in dec):
+            cells = [str(b)] + [str(tab[(b, m)]["decode_tok_s"]) if (b, m) in tab else "" for m in modes]
+            cells += [str(tab[(b, m)]["ms_per_step"]) if (b, m) in tab else "" for m in modes]
+            if ratio and all((b, m) in tab for m in modes):
+                cells.append(f"{tab[(b, modes[0])]['decode_tok_s'] / tab[(b, modes[1])]['decode_tok_s']:.2f}x")
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

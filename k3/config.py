@@ -134,6 +134,8 @@ class K3Config:
             raise ConfigError(f"dtype={self.dtype!r}: must be one of bfloat16, float16, float32")
         if self.quantization_config is not None:
             _validate_quant(self.quantization_config, t)
+        if self.vision_config is not None:
+            _validate_vision(self)
         return self
 
     @property
@@ -321,6 +323,17 @@ def _validate_text(t: TextConfig) -> None:
              (len(full), len(kda)), f"must partition the {L} layers (1-based, disjoint)")
 
 
+def _validate_vision(cfg: K3Config) -> None:
+    from k3.model.vision_config import VisionConfig  # the typed view; this module keeps the raw dict
+
+    v = VisionConfig.from_dict(cfg.vision_config, text_hidden_size=cfg.text_config.hidden_size)
+    _require(v.text_hidden_size == cfg.text_config.hidden_size, "vision_config.text_hidden_size",
+             v.text_hidden_size, f"must equal text_config.hidden_size ({cfg.text_config.hidden_size})")
+    m = cfg.media_placeholder_token_id
+    _require(isinstance(m, int) and 0 <= m < cfg.text_config.vocab_size, "media_placeholder_token_id", m,
+             f"must be a token id in [0, vocab_size={cfg.text_config.vocab_size}) for a vision model")
+
+
 def _validate_quant(q: dict[str, Any], t: TextConfig) -> None:
     fmt = q.get("format")
     if fmt != "mxfp4-pack-quantized":
@@ -381,6 +394,16 @@ def k3_tiny() -> K3Config:
     return _small_ids(K3Config(text_config=text), 4096).validate()
 
 
+def k3_tiny_vl() -> K3Config:
+    """k3-tiny plus a CPU-sized MoonViT tower (2 layers, hidden 64) and patchmergerv2 projector into
+    the 256-wide text model; media ids are k3's own tokenizer specials (pad = base + 21)."""
+    from k3.model.vision_config import tiny_vision_config
+
+    cfg = k3_tiny()
+    cfg.vision_config = tiny_vision_config(cfg.text_config.hidden_size).to_dict()
+    return cfg.validate()
+
+
 def k3_small() -> K3Config:
     """~0.8B total parameters for one GPU, K3 proportions scaled down."""
     lin = _layout(12, [4, 8, 12])
@@ -406,6 +429,7 @@ def _small_ids(cfg: K3Config, vocab: int) -> K3Config:
 PRESETS: dict[str, Callable[[], K3Config]] = {
     "kimi-k3": kimi_k3,
     "k3-tiny": k3_tiny,
+    "k3-tiny-vl": k3_tiny_vl,
     "k3-small": k3_small,
 }
 

@@ -32,9 +32,20 @@ def describe(config) -> dict:
             "ffn": "LatentMoE" if tc.is_moe(i) else "dense",
             "attn_res_block_start": i % tc.attn_res_block_size == 0,
         })
+    vision = None
+    if model.vision is not None:
+        vc = model.vision.cfg
+        vision = {
+            "params": model.num_vision_parameters(),
+            "tower_params": sum(p.numel() for p in model.vision.vision_tower.parameters()),
+            "projector_params": sum(p.numel() for p in model.vision.mm_projector.parameters()),
+            "layers": vc.num_hidden_layers, "hidden_size": vc.hidden_size, "patch_size": vc.patch_size,
+            "merge_kernel_size": list(vc.merge_kernel_size), "media_placeholder_token_id": config.media_placeholder_token_id,
+        }
     return {
         "total_params": total,
         "active_params": active,
+        "vision": vision,
         "num_layers": tc.num_hidden_layers,
         "num_kda_layers": sum(l["mixer"] == "KDA" for l in layers),
         "num_mla_layers": sum(l["mixer"] == "MLA" for l in layers),
@@ -58,6 +69,12 @@ def run(args: argparse.Namespace) -> int:
           f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, experts {info['experts']}")
     print(f"total parameters  {info['total_params']:>18,} ({info['total_params'] / 1e9:.2f} B)")
     print(f"active per token  {info['active_params']:>18,} ({info['active_params'] / 1e9:.2f} B)")
+    v = info["vision"]
+    if v is not None:
+        print(f"vision (in total) {v['params']:>18,} ({v['params'] / 1e6:.2f} M): tower {v['tower_params']:,} "
+              f"({v['layers']} layers, hidden {v['hidden_size']}, patch {v['patch_size']}, merge "
+              f"{v['merge_kernel_size'][0]}x{v['merge_kernel_size'][1]}) + projector {v['projector_params']:,}; "
+              f"media pad id {v['media_placeholder_token_id']}")
     print("layout (| = AttnRes block start):")
     row = []
     for l in info["layers"]:

@@ -34,7 +34,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-budget", type=int, default=2048, help="prefill tokens per step for each of the "
                    "short and the long class")
     p.add_argument("--default-max-tokens", type=int, default=4096)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs)")
+    p.add_argument("--cuda-graph-max-len", type=int, default=16384,
+                   help="contexts up to this many tokens decode in CUDA graphs, longer ones eagerly")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU serving)")
+    p.add_argument("--max-image-mb", type=float, default=20.0,
+                   help="largest encoded image (or video frame) accepted in a request (vision models)")
+    p.add_argument("--no-local-media", action="store_true",
+                   help="refuse local file paths as image sources (only data: URIs)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=run)
 
@@ -84,11 +91,13 @@ def build(args: argparse.Namespace):
     cfg = EngineConfig(memory_budget_bytes=budget, page_size=args.page_size, unit_size=args.unit_size,
                        enable_prefix_cache=not args.no_prefix_cache, checkpoint_every_units=args.checkpoint_every_units,
                        max_running=args.max_running, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
-                       short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget)
+                       short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget,
+                       cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len)
     engine = Engine(model, tokenizer, cfg)
     names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
-    app = build_app(AsyncEngine(engine), tokenizer, ServerConfig(model_names=names,
-                                                                 default_max_tokens=args.default_max_tokens))
+    scfg = ServerConfig(model_names=names, default_max_tokens=args.default_max_tokens,
+                        max_image_bytes=int(args.max_image_mb * (1 << 20)), allow_local_media=not args.no_local_media)
+    app = build_app(AsyncEngine(engine), tokenizer, scfg)
     return app, engine
 
 
@@ -105,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     names = app.state.k3.cfg.model_names
     print(f"k3 serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 "
           f"(cache {engine.pool.usable} blocks x {engine.layout.block_bytes} B, "
-          f"prefix cache {'on' if engine.prefix is not None else 'off'})", flush=True)
+          f"prefix cache {'on' if engine.prefix is not None else 'off'}, "
+          f"images {'on' if engine.vision is not None else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)
     return 0

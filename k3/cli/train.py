@@ -63,4 +63,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"done: {result.steps} steps in {result.out_dir}; val loss {result.first_val_loss:.3f} -> "
           f"{result.last_val_loss:.3f} (unigram baseline {result.unigram_entropy:.3f} nats/token); "
           f"final checkpoint {result.out_dir}/final")
+    if result.vision_eval is not None:
+        v = result.vision_eval
+        print(f"vision: held-out multiple-choice accuracy {v['accuracy']:.1%} vs chance {v['chance']:.1%} "
+              f"({v['n']} questions; " + ", ".join(f"{k} {d['accuracy']:.1%}/{d['chance']:.1%}"
+                                                  for k, d in sorted(v["per_kind"].items())) + ")")
     return 0

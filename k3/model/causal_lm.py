@@ -15,7 +15,10 @@ from k3.model.cache import HybridCache
 from k3.model.common import KEEP_FP32
 from k3.model.kda import KDAttention
 from k3.model.model import K3Model, ResVector
+from k3.model.vision import MoonViTEncoder, VisionConfig
 
+_NO_VISION = ("media: this model has no vision encoder (config.vision_config is None); "
+              "use a vision-language preset such as k3-tiny-vl")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -37,16 +40,29 @@ class K3ForCausalLM(nn.Module):
         tc = config.text_config
         self.model = K3Model(tc)
         self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
+        # Internal names `vision.vision_tower.*` / `vision.mm_projector.*`; the checkpoint adapter
+        # writes them as the official `vision_tower.*` / `mm_projector.*`.
+        self.vision: MoonViTEncoder | None = None
+        if config.vision_config is not None:
+            self.vision = MoonViTEncoder(VisionConfig.from_dict(config.vision_config, text_hidden_size=tc.hidden_size))
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                 cache: HybridCache | None = None, hidden_state_layers: list[int] | None = None,
-                logits_to_keep: int = 0) -> CausalLMOutput:
+                logits_to_keep: int = 0, media: list[torch.Tensor] | None = None,
+                media_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         """input_ids: [B, T] long (packed [1, total] with `cu_seqlens` [N+1]).
         labels: [B, T] target ids aligned with the inputs (already shifted), -100 = ignore.
         logits_to_keep: if > 0, only the last that many positions get logits (e.g. 1 for decoding).
+        media / media_embeds: images [3, H, W] and videos [T, 3, H, W] (normalised floats), or their
+            `encode_media` output [N, hidden]; they replace the `media_placeholder_token_id` positions
+            of input_ids in row-major order (see `embed_with_media`).
         """
+        if media is not None or media_embeds is not None or self._has_pads(input_ids):
+            inputs_embeds = self.embed_with_media(input_ids, media=media, media_embeds=media_embeds,
+                                                  inputs_embeds=inputs_embeds)
+            input_ids = None
         h, hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens, cache=cache,
                                hidden_state_layers=hidden_state_layers)
         if logits_to_keep:
@@ -59,11 +75,57 @@ class K3ForCausalLM(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
         return CausalLMOutput(logits=logits, loss=loss, hidden_states=hidden)
 
+    # ---- media -------------------------------------------------------------------------------------
+    def _has_pads(self, input_ids: torch.Tensor | None) -> bool:
+        """A vision model must never embed `<|media_pad|>` as a plain token (a forgotten image)."""
+        return (self.vision is not None and input_ids is not None
+                and bool((input_ids == self.config.media_placeholder_token_id).any()))
+
+    def encode_media(self, media: list[torch.Tensor]) -> torch.Tensor:
+        """Images float [3, H, W] / videos float [T, 3, H, W] (pixels normalised as (x/255-0.5)/0.5)
+        -> projected embeddings [N, hidden] in the weights' dtype, items concatenated in order
+        (N = sum of their media-token counts)."""
+        if self.vision is None:
+            raise ValueError(_NO_VISION)
+        return torch.cat(self.vision.encode(media))
+
+    def embed_with_media(self, input_ids: torch.Tensor, *, media: list[torch.Tensor] | None = None,
+                         media_embeds: torch.Tensor | None = None,
+                         inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [B, T, d] with every `media_placeholder_token_id` position replaced, in
+        row-major order (row 0 left to right, then row 1, ...), by the rows of `media_embeds`
+        ([N, d]) or of `encode_media(media)`. With a cache, pass only the embeddings of the pads in
+        this chunk. Raises ValueError when the counts differ (both are named)."""
+        if self.vision is None:
+            raise ValueError(_NO_VISION)
+        if input_ids is None:
+            raise ValueError("media: input_ids are needed to find the media placeholder positions")
+        if media is not None and media_embeds is not None:
+            raise ValueError("pass media or media_embeds, not both")
+        if media:  # an empty list is a chunk without media
+            media_embeds = self.encode_media(media)
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        pads = (input_ids == self.config.media_placeholder_token_id).flatten()
+        n_pads = int(pads.sum())
+        n_embeds = 0 if media_embeds is None else media_embeds.shape[0]
+        if n_pads != n_embeds:
+            raise ValueError(f"media: input_ids hold {n_pads} media placeholder tokens (id "
+                             f"{self.config.media_placeholder_token_id}) but {n_embeds} media embeddings were given")
+        if n_pads == 0:
+            return x
+        if media_embeds.dim() != 2 or media_embeds.shape[1] != x.shape[-1]:
+            raise ValueError(f"media_embeds: expected [{n_pads}, {x.shape[-1]}], got {list(media_embeds.shape)}")
+        idx = pads.nonzero().squeeze(1)
+        flat = x.flatten(0, 1).index_copy(0, idx, media_embeds.to(x.dtype))
+        return flat.view_as(x)
+
     def token_logprobs(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
-                       temperature: float = 1.0) -> torch.Tensor:
+                       temperature: float = 1.0, media: list[torch.Tensor] | None = None,
+                       media_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """log p(x_t | x_<t) for t >= 1 of each row: [B, T] fp32 with position 0 (and each packed
         document's first token) set to 0. For RL and distillation."""
-        logits = self(input_ids, cu_seqlens=cu_seqlens).logits.float() / temperature
+        logits = self(input_ids, cu_seqlens=cu_seqlens, media=media,
+                      media_embeds=media_embeds).logits.float() / temperature
         lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
         lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         if cu_seqlens is not None:
@@ -91,6 +153,8 @@ class K3ForCausalLM(nn.Module):
         gen = torch.Generator(device="cpu")
         gen.manual_seed(0 if seed is None else seed)
         for name, p in self.named_parameters():
+            if name.startswith("vision."):
+                continue  # initialised below (its own norm names and position table)
             if name.endswith("norm.weight") or name.endswith("res_norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("res_proj.weight"):
@@ -104,6 +168,8 @@ class K3ForCausalLM(nn.Module):
                 m.reset_kda_parameters()
             if hasattr(m, "e_score_correction_bias"):
                 m.e_score_correction_bias.zero_()
+        if self.vision is not None:
+            self.vision.reset_parameters(gen, std)
         return self
 
     def to_dtype(self, dtype: torch.dtype | str) -> "K3ForCausalLM":
@@ -116,13 +182,19 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def num_parameters(self) -> tuple[int, int]:
-        """(total, active per token). Active counts every non-routed weight plus top-k/E of the routed
-        experts, and leaves out the input embedding table (a lookup, not compute), as the K3 report does."""
+        """(total, active per token). Total includes the vision encoder. Active counts every non-routed
+        text weight plus top-k/E of the routed experts, and leaves out the input embedding table (a
+        lookup, not compute), as the K3 report does, and the vision encoder (it runs per image)."""
         tc = self.config.text_config
         total = sum(p.numel() for p in self.parameters())
         routed = sum(p.numel() for n, p in self.named_parameters() if ".experts.w" in n)
         embed = self.model.embed_tokens.weight.numel()
-        return total, total - routed - embed + routed * tc.num_experts_per_token // tc.num_experts
+        text = total - self.num_vision_parameters()
+        return total, text - routed - embed + routed * tc.num_experts_per_token // tc.num_experts
+
+    def num_vision_parameters(self) -> int:
+        """Parameters of the vision tower + projector (0 for a text-only model); part of the total."""
+        return 0 if self.vision is None else sum(p.numel() for p in self.vision.parameters())
 
     # ---- checkpoint I/O ------------------------------------------------------------------------------
     @classmethod

@@ -9,7 +9,12 @@ Internal names (``K3ForCausalLM.state_dict()``) are the official text names with
   ``experts.w3`` [E, I, L] (up), ``experts.w2`` [E, L, I] (down); official per expert
   ``experts.{e}.w{1,2,3}.weight`` (plain) or MXFP4 ``.weight_packed`` U8 [out, in/2] +
   ``.weight_scale`` U8 [out, in/32] (codec: k3.quant.mxfp4).
-* ``vision_tower*`` / ``mm_projector*`` tensors are skipped for the text model (reported).
+* vision: a model built with a ``vision_config`` holds ``vision.vision_tower.*`` and
+  ``vision.mm_projector.*``, stored WITHOUT the ``language_model.`` prefix as the official
+  ``vision_tower.*`` / ``mm_projector.*`` (BF16). A text-only model skips those tensors (reported
+  in ``LoadReport.skipped``). The vision names are modelled on Kimi-VL / Kimi-K2.5 (MoonViT) and
+  are NOT verified against the K3 shards; at full size there are exactly 168 of them, the count
+  the spec derives from the K3 index (docs/vision.md has the derivation).
 
 Dtypes: the official F32 tensors (q/k/v conv weights, A_log, dt_bias, KDA o_norm,
 e_score_correction_bias) are float32 internally whatever the model dtype and are saved as F32.
@@ -41,6 +46,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config, TextConfig, kimi_k3
+from k3.model.vision_config import VisionConfig
 from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
 __all__ = [
@@ -57,6 +63,7 @@ __all__ = [
 ]
 
 PREFIX = "language_model."
+VISION = "vision."  # internal prefix of the vision encoder; dropped in the official names
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _FP32_SUFFIXES = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight",
@@ -117,7 +124,44 @@ def internal_shapes(cfg: K3Config | TextConfig) -> dict[str, tuple[tuple[int, ..
     add("model.output_attn_res_norm.weight", d)
     add("model.output_attn_res_proj.weight", 1, d)
     add("lm_head.weight", V, d)
+    if isinstance(cfg, K3Config) and cfg.vision_config is not None:
+        _vision_shapes(VisionConfig.from_dict(cfg.vision_config, text_hidden_size=d), add)
     return out
+
+
+def _vision_shapes(v: VisionConfig, add) -> None:
+    """`vision.vision_tower.*` + `vision.mm_projector.*` (official names: drop the `vision.`)."""
+    h, w, inter = v.hidden_size, v.num_attention_heads * v.head_dim, v.intermediate_size
+    t = VISION + "vision_tower."
+
+    def linear(name: str, n_out: int, n_in: int, bias: bool) -> None:
+        add(name + ".weight", n_out, n_in)
+        if bias:
+            add(name + ".bias", n_out)
+
+    def norm(name: str) -> None:
+        add(name + ".weight", h)
+        if v.norm_type == "layernorm":
+            add(name + ".bias", h)
+
+    add(t + "patch_embed.proj.weight", h, 3, v.patch_size, v.patch_size)
+    if v.patch_embed_proj_bias:
+        add(t + "patch_embed.proj.bias", h)
+    add(t + "patch_embed.pos_emb.weight", v.init_pos_emb_height, v.init_pos_emb_width, h)
+    for i in range(v.num_hidden_layers):
+        b = f"{t}encoder.blocks.{i}."
+        norm(b + "norm0")
+        linear(b + "wqkv", 3 * w, h, v.attn_bias)
+        linear(b + "wo", h, w, v.attn_bias)
+        norm(b + "norm1")
+        linear(b + "mlp.fc0", inter, h, v.linear_bias)
+        linear(b + "mlp.fc1", h, inter, v.linear_bias)
+    norm(t + "encoder.final_layernorm")
+    m = h * v.merge_kernel_size[0] * v.merge_kernel_size[1]
+    p = VISION + "mm_projector."
+    add(p + "linear_1.weight", m, m)
+    add(p + "linear_2.weight", v.text_hidden_size, m)
+    add(p + "post_norm.weight", v.text_hidden_size)
 
 
 def _kda_shapes(t: TextConfig, p: str, add) -> None:
@@ -197,6 +241,8 @@ class _Entry(NamedTuple):
 def _entries(name: str, shape: tuple[int, ...], fmt: str, prefix: str) -> list[tuple]:
     """Official tensors of one internal tensor, as plain tuples in `_Entry` field order (plain
     tuples because the full inventory has ~500k entries)."""
+    if name.startswith(VISION):
+        return [(name[len(VISION):], shape, "BF16", name, "plain")]
     m = _EXPERT_RE.match(name)
     if m is None:
         if name.endswith("self_attn.A_log"):
@@ -228,7 +274,8 @@ def _check_format(experts_format: str | None, cfg: K3Config | None) -> str:
 
 def official_shapes(cfg: K3Config | TextConfig, experts_format: str | None = None
                     ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Official text-tensor inventory: official name -> (shape, dtype "BF16" | "F32" | "U8").
+    """Official tensor inventory: official name -> (shape, dtype "BF16" | "F32" | "U8"); includes
+    the 168 (full size) `vision_tower.*` / `mm_projector.*` tensors when `cfg` has a vision_config.
 
     experts_format: "mxfp4" (packed + scale per expert), "bf16" (plain per expert) or None
     (= "mxfp4" when `cfg.experts_mxfp4`, else "bf16").
@@ -253,7 +300,7 @@ class LoadReport:
     experts_format: str  # "mxfp4" | "bf16" | "none" (no routed experts in the file)
     missing: list[str] = field(default_factory=list)  # only non-empty with strict=False
     unexpected: list[str] = field(default_factory=list)  # only non-empty with strict=False
-    skipped: list[str] = field(default_factory=list)  # vision_tower / mm_projector
+    skipped: list[str] = field(default_factory=list)  # vision_tower / mm_projector (text-only model)
 
 
 def _read_weight_map(path: str) -> dict[str, str]:
@@ -341,8 +388,11 @@ def _plan(state: dict[str, torch.Tensor], weight_map: dict[str, str]
           ) -> tuple[list[_Entry], str, list[str], list[str], list[str], list[str]]:
     """Match the model's tensors against the checkpoint headers; returns
     (entries to load, experts format, missing, unexpected, skipped, errors)."""
+    vision_model = any(n.startswith(VISION) for n in state)
     text_names = [n for n in weight_map if not _SKIP_RE.search(n)]
-    skipped = sorted(n for n in weight_map if _SKIP_RE.search(n))
+    vision_names = sorted(n for n in weight_map if _SKIP_RE.search(n))
+    skipped = [] if vision_model else vision_names
+    names = text_names + vision_names if vision_model else text_names  # what the model can take
     prefix = PREFIX if any(n.startswith(PREFIX) for n in text_names) or not text_names else ""
     if any(n.endswith(".weight_packed") for n in text_names):
         fmt = "mxfp4"
@@ -356,10 +406,10 @@ def _plan(state: dict[str, torch.Tensor], weight_map: dict[str, str]
     expected = {e.name for e in entries}
     headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     errors: list[str] = []
-    for fn in sorted(set(weight_map[n] for n in text_names)):
+    for fn in sorted(set(weight_map[n] for n in names)):
         headers[fn] = _header(fn)
-    missing = sorted(expected - set(text_names))
-    unexpected = sorted(set(text_names) - expected)
+    missing = sorted(expected - set(names))
+    unexpected = sorted(set(names) - expected)
     found: list[_Entry] = []
     for e in entries:
         if e.name not in weight_map:
@@ -520,7 +570,9 @@ def _iter_official(state: dict[str, torch.Tensor], fmt: str, out_dtype: torch.dt
     done: set[str] = set()
     for name, t in state.items():
         m = _EXPERT_RE.match(name)
-        if m is None:
+        if name.startswith(VISION):
+            yield name[len(VISION):], t.detach().to("cpu", out_dtype, copy=True).contiguous()
+        elif m is None:
             if name.endswith("self_attn.A_log"):
                 out = torch.zeros(a_log_padded_len(t.shape[0]), dtype=torch.float32)
                 out[: t.shape[0]] = t.detach().to("cpu", torch.float32)

@@ -11,7 +11,7 @@ from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
 from k3.model.common import keep_fp32
 from k3.model.fused import EAGER, Kernels, linear_multi
-from k3.ops.kda import kda
+from k3.ops.kda import kda, kda_gate, l2norm
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
@@ -167,13 +167,52 @@ class KDAttention(nn.Module):
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
-        o, final = kda(
-            q, k, v, f, b.float(), initial_state=initial, output_final_state=cache is not None,
-            cu_seqlens=layout.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
-        )
+        if getattr(cache, "static_shapes", False):
+            o, final = self._decode_step(q, k, v, f, b.float(), initial)
+        else:
+            o, final = kda(
+                q, k, v, f, b.float(), initial_state=initial, output_final_state=cache is not None,
+                cu_seqlens=layout.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
+            )
         if cache is not None:
             cache.kda_state[self.layer_idx] = final.float()
             cache.conv_tail[self.layer_idx] = new_tail
         o = self.kernels.gated_rms_norm(o, self.o_norm.weight, g_in.reshape(B, T, H, K), self.eps, x.dtype)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """KDA over a few tokens per row ([N, T] rows, no packing) with only shape-static ops (CUDA graphs).
+
+        q, k, v, f: [N, T, H, K] (f: raw gate input); b: [N, T, H] beta logits; state: [N, H, K, K] fp32.
+        Returns (o [N, T, H, K] in v's dtype, final state [N, H, K, K] fp32). The Triton recurrent
+        kernel runs on CUDA (or with the "triton" backend under TRITON_INTERPRET); elsewhere the
+        token recurrence of `kda_reference` in PyTorch.
+        """
+        use_kernel = self.kda_backend == "triton" or (self.kda_backend == "auto" and q.is_cuda)
+        if use_kernel and q.shape[1] <= 16 and _pow2_in(self.head_dim, 16, 128):
+            from k3.ops.kda.recurrent import fused_recurrent_kda
+
+            pool = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
+            rows = torch.arange(q.shape[0], device=q.device)
+            o, _ = fused_recurrent_kda(q, k, v, f, b, pool, rows, A_log=self.A_log, dt_bias=self.dt_bias,
+                                       lower_bound=self.lower_bound, use_qk_l2norm_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True)
+            return o, pool
+        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        qf, kf = l2norm(q).float(), l2norm(k).float()
+        vf, beta = v.float(), torch.sigmoid(b.float())
+        S = state.float()
+        scale = self.head_dim ** -0.5
+        outs = []
+        for t in range(q.shape[1]):
+            S = S * g[:, t].exp()[..., None]
+            u = beta[:, t, :, None] * (vf[:, t] - torch.einsum("nhk,nhkv->nhv", kf[:, t], S))
+            S = S + kf[:, t, :, :, None] * u[:, :, None, :]
+            outs.append(torch.einsum("nhk,nhkv->nhv", qf[:, t] * scale, S))
+        return torch.stack(outs, 1).to(v.dtype), S
+
+
+def _pow2_in(n: int, lo: int, hi: int) -> bool:
+    return lo <= n <= hi and n & (n - 1) == 0

@@ -110,8 +110,10 @@ class GatedMLA(nn.Module):
         q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
         buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
         N, Tq = q_pad.shape[:2]
-        total = layout.past_lens + layout.new_lens
-        S = int(total.max()) if N else 0
+        if getattr(cache, "static_shapes", False):
+            S = buf.shape[1]  # CUDA-graph decode: attend over every gathered row, the mask hides the rest
+        else:
+            S = int((layout.past_lens + layout.new_lens).max()) if N else 0
         kpos = torch.arange(S, device=q.device)
         qpos = layout.past_lens[:, None] + torch.arange(Tq, device=q.device)[None, :]  # [N, Tq]
         mask = kpos[None, None, :] <= qpos[:, :, None]  # [N, Tq, S] causal incl. cache; padding keys excluded

@@ -68,7 +68,9 @@ class RoutedExperts(nn.Module):
         N, k = idx.shape
         E, I = self.w1.shape[:2]
         order, inv = sort_slots(idx)
-        counts = torch.bincount(idx.reshape(-1), minlength=E)
+        # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
+        flat = idx.reshape(-1)
+        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
         xs = dispatch(z, order, inv, k)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
@@ -97,6 +99,8 @@ class RoutedExperts(nn.Module):
                 y = torch.cat([h @ w2s[e].t() for h, e in zip(he, live)])
             else:
                 y = xs.new_zeros(0, w2.shape[1])
+        # back in (token, k) order and summed over k in a fixed order (no atomics): a CUDA graph replay
+        # and an eager step give identical bits
         return self.kernels.combine(y, w.float(), order, inv)
 
 

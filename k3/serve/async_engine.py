@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 from k3.serve.engine import Engine, RequestOutput
 from k3.serve.sampling import SamplingParams
@@ -57,8 +57,9 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               checkpoint_positions: Sequence[int] = ()) -> "RequestStream":
+               checkpoint_positions: Sequence[int] = (), media: Sequence[Any] | None = None) -> "RequestStream":
         """Queue a request (Overloaded when too many are waiting); iterate the stream for outputs.
+        media: image/video tensors for the prompt's media pads (encoded on the engine thread).
         Must be called on the event loop that will consume the stream."""
         with self._lock:
             if self.engine.num_waiting + self._pending_adds >= self.engine.config.max_waiting:
@@ -67,7 +68,7 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._cmds.put(("add", rid, list(prompt_ids), params, tuple(checkpoint_positions)))
+        self._cmds.put(("add", rid, list(prompt_ids), params, tuple(checkpoint_positions), media))
         self._wake.set()
         return RequestStream(self, rid, q)
 
@@ -96,13 +97,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, cps = cmd
+                _, rid, ids, params, cps, media = cmd
                 with self._lock:
                     self._pending_adds -= 1
                 if rid not in self._streams:
                     continue  # the caller already left
                 try:
-                    self.engine.add_request(ids, params, request_id=rid, checkpoint_positions=cps)
+                    self.engine.add_request(ids, params, request_id=rid, checkpoint_positions=cps, media=media)
                 except (ValueError, KeyError) as e:
                     self._deliver(rid, ValueError(str(e)))
             elif cmd[0] == "abort":

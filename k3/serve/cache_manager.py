@@ -166,10 +166,24 @@ class BlockPool:
     # ---- KDA slots -----------------------------------------------------------------------------
     def read_slots(self, slots: list[list[int]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Gather the KDA state of N slots -> ({layer: [N, H, K, V] fp32}, {layer: [N, W-1, C]})."""
+        return self.gather_slots(self._slot_index(slots))
+
+    def write_slots(self, slots: list[list[int]], states: dict[int, torch.Tensor],
+                    tails: dict[int, torch.Tensor]) -> None:
+        """Scatter states/tails (as returned by `read_slots`, updated by the model) back into the slots."""
+        self.scatter_slots(self._slot_index(slots), states, tails)
+
+    def _slot_index(self, slots: list[list[int]]) -> torch.Tensor:
+        return torch.tensor([b for s in slots for b in s], device=self.device, dtype=torch.long)
+
+    def gather_slots(self, index: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """`read_slots` over a device index: index [N * slot_blocks] long, the blocks of N slots in order.
+
+        Shapes depend only on index.numel() (no host values): usable inside a CUDA graph.
+        """
         L = self.layout
-        n = len(slots)
-        idx = torch.tensor([b for s in slots for b in s], device=self.device, dtype=torch.long)
-        raw = self.storage[idx].view(n, L.slot_blocks * L.block_bytes)
+        n = index.numel() // L.slot_blocks
+        raw = self.storage[index].view(n, L.slot_blocks * L.block_bytes)
         states, tails = {}, {}
         H, K = L.kda_heads, L.kda_head_dim
         for j, layer in enumerate(L.kda_layers):
@@ -179,19 +193,18 @@ class BlockPool:
             tails[layer] = raw[:, toff: toff + L.tail_bytes].view(L.dtype).view(n, *L.tail_shape)
         return states, tails
 
-    def write_slots(self, slots: list[list[int]], states: dict[int, torch.Tensor],
-                    tails: dict[int, torch.Tensor]) -> None:
-        """Scatter states/tails (as returned by `read_slots`, updated by the model) back into the slots."""
+    def scatter_slots(self, index: torch.Tensor, states: dict[int, torch.Tensor],
+                      tails: dict[int, torch.Tensor]) -> None:
+        """`write_slots` over a device index (as for `gather_slots`); no host values involved."""
         L = self.layout
-        n = len(slots)
+        n = index.numel() // L.slot_blocks
         raw = torch.zeros(n, L.slot_blocks * L.block_bytes, dtype=torch.uint8, device=self.device)
         for j, layer in enumerate(L.kda_layers):
             off = j * L.layer_bytes
             raw[:, off: off + L.state_bytes].view(torch.float32).copy_(states[layer].reshape(n, -1).float())
             toff = off + _aligned(L.state_bytes)
             raw[:, toff: toff + L.tail_bytes].view(L.dtype).copy_(tails[layer].reshape(n, -1).to(L.dtype))
-        idx = torch.tensor([b for s in slots for b in s], device=self.device, dtype=torch.long)
-        self.storage[idx] = raw.view(n * L.slot_blocks, L.block_bytes)
+        self.storage[index] = raw.view(n * L.slot_blocks, L.block_bytes)
 
 
 class PagedBatchCache:
@@ -237,3 +250,49 @@ class PagedBatchCache:
     def commit(self) -> None:
         if self.pool.layout.kda_layers:
             self.pool.write_slots(self.slots, self.kda_state, self.conv_tail)
+
+
+class StaticDecodeCache:
+    """Duck-typed `HybridCache` for one decode step ([N, 1] input rows) whose every shape is fixed by
+    its index tensors, never by host values, so the forward can be captured in a CUDA graph.
+
+    past_lens: [N] long, tokens already cached (the new token goes to position past_lens[i]).
+    page_tables: [N, P] long block ids (P * page_size > past_lens[i] for valid rows; unused entries 0).
+    slot_index: [N, slot_blocks] long, each row's KDA slot blocks. valid: [N] bool.
+    Padding rows (valid False) must have past_lens 0 and only block 0 in their page table and slot:
+    their latent writes are zeros into block 0, and `commit` re-zeroes block 0 after their state write.
+    MLA attends over all P * page_size gathered rows, positions > past_lens masked.
+    """
+
+    static_shapes = True  # read by GatedMLA / KDAttention: take the static decode path
+    absorb_mla = True
+
+    def __init__(self, pool: BlockPool, past_lens: torch.Tensor, page_tables: torch.Tensor,
+                 slot_index: torch.Tensor, valid: torch.Tensor) -> None:
+        self.pool, self.num_seqs = pool, past_lens.shape[0]
+        self.lengths = past_lens
+        self._tables, self._valid, self._slot_index = page_tables, valid, slot_index.reshape(-1)
+        self.kda_state, self.conv_tail = pool.gather_slots(self._slot_index) if pool.layout.kda_layers else ({}, {})
+        page = pool.layout.page_size
+        self._wblock = page_tables.gather(1, (past_lens // page)[:, None])[:, 0]
+        self._woff = past_lens % page
+
+    def mla_append(self, layer: int, new: torch.Tensor, layout) -> torch.Tensor:
+        """new: [N, 1, D] latents -> written at past_lens; returns [N, P * page_size, D]."""
+        if new.shape[1] != 1:
+            raise ValueError(f"StaticDecodeCache takes one new token per row, got {new.shape[1]}")
+        li = self.pool.mla_index[layer]
+        pages = self.pool.pages
+        row = torch.where(self._valid[:, None], new[:, 0].to(pages.dtype), torch.zeros((), dtype=pages.dtype,
+                                                                                        device=new.device))
+        pages[self._wblock, li, self._woff] = row
+        g = pages[self._tables, li]  # [N, P, page, D]
+        return g.reshape(self.num_seqs, -1, g.shape[-1])
+
+    def advance(self, new_lens: torch.Tensor) -> None:
+        self.lengths = self.lengths + new_lens.to(self.lengths.device)
+
+    def commit(self) -> None:
+        if self.pool.layout.kda_layers:
+            self.pool.scatter_slots(self._slot_index, self.kda_state, self.conv_tail)
+            self.pool.storage[0].zero_()  # padding rows wrote their state into the zero block

@@ -23,7 +23,9 @@ from typing import Any, Sequence
 import torch
 
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
+from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_media, prefill_embeds, vision_config_of
 from k3.serve.metrics import EngineMetrics
+from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
@@ -39,6 +41,9 @@ class EngineConfig:
     long_prompt_threshold: prompts longer than this use the long prefill budget.
     short/long_prefill_budget: prefill tokens per step for each class (leftovers are shared).
     max_model_len: context limit (default: the config's max_position_embeddings).
+    cuda_graphs: replay decode steps as CUDA graphs (CUDA, bf16 weights; `k3.serve.model_runner`);
+    cuda_graph_max_len: contexts up to this many tokens decode in graphs, longer ones eagerly.
+    static_decode: run the graphs' static-shape decode path eagerly where graphs are not used (tests).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -58,10 +63,13 @@ class EngineConfig:
     max_waiting: int = 4096
     kda_backend: str | None = None
     flush_denormal: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_max_len: int = 16384
+    static_decode: bool = False
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
-                     "long_prefill_budget", "max_waiting", "long_prompt_threshold"):
+                     "long_prefill_budget", "max_waiting", "long_prompt_threshold", "cuda_graph_max_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -133,6 +141,8 @@ class Engine:
         self.max_model_len = cfg.max_model_len or tc.max_position_embeddings
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
         self.vocab_limit = min(tc.vocab_size, tokenizer.vocab_size) if tokenizer is not None else tc.vocab_size
+        self.vision = vision_config_of(model)  # None: text-only (requests with media are refused)
+        self.media_pad_id = check_media_pad(model, tokenizer) if self.vision is not None else None
         self.layout = CacheLayout.from_config(tc, cfg.page_size, self.dtype)
         self.pool = BlockPool(self.layout, BlockPool.blocks_for_budget(self.layout, cfg.memory_budget_bytes),
                               self.device)
@@ -151,6 +161,10 @@ class Engine:
         self.scheduler = Scheduler(sc, self.pool, self.prefix)
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
+        graphs = cfg.cuda_graphs and graphs_supported(model, self.device)
+        self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
+                                   max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
+                                   use_graphs=graphs) if graphs or cfg.static_decode else None
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -175,8 +189,11 @@ class Engine:
                              f"{self.max_tokens_limit(0)} tokens")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, checkpoint_positions: Sequence[int] = ()) -> str:
-        """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint."""
+                    request_id: str | None = None, checkpoint_positions: Sequence[int] = (),
+                    media: Sequence[torch.Tensor] | None = None) -> str:
+        """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint.
+        media: images [3, H, W] / videos [T, 3, H, W] (normalised floats) for the prompt's
+        `<|media_pad|>` runs, in order; encoded here, once (see k3.serve.media)."""
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.vocab_limit for t in ids):
@@ -185,13 +202,18 @@ class Engine:
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
+        encoded = None
+        if media:
+            with torch.inference_mode():
+                encoded = encode_request_media(self.model, media, ids, self.media_pad_id, self.device, self.dtype)
         req = Request(
             request_id=rid, tokens=ids, params=params, arrival=time.time(), rng=make_rng(params),
             detok=Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else _NullDetok(),
             long=len(ids) > self.config.long_prompt_threshold, max_sampled=params.max_tokens,
-            extra_checkpoints=tuple(int(p) for p in checkpoint_positions),
+            extra_checkpoints=tuple(int(p) for p in checkpoint_positions), media=encoded,
         )
-        req.hasher = PrefixHasher(req.tokens, self.config.unit_size)
+        req.hasher = (PrefixHasher(req.tokens, self.config.unit_size) if encoded is None
+                      else MediaPrefixHasher(req.tokens, self.config.unit_size, encoded.spans))
         self.requests[rid] = req
         self.scheduler.add(req)
         self.metrics.requests_added += 1
@@ -278,6 +300,12 @@ class Engine:
         """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
+        if decode and self.runner is not None:
+            logits = self.runner.decode([r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs],
+                                        [r.slot for r in reqs], [r.pages for r in reqs])
+            if logits is not None:  # else: beyond the runner's buckets, run the dynamic path
+                self._computed(batch)
+                return logits
         cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=decode)
         if decode:
@@ -288,14 +316,19 @@ class Engine:
             flat = [t for r, n in batch for t in r.tokens[r.num_computed: r.num_computed + n]]
             ids = torch.tensor(flat, device=self.device)[None]
             cu = torch.tensor([0] + ns, device=self.device).cumsum(0)
-            h, _ = self.model.model(ids, cu_seqlens=cu, cache=cache)
+            embeds = prefill_embeds(self.model, ids, batch)  # media rows spliced in, or None
+            h, _ = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
+                                    cache=cache)
             last = h[0, cu[1:] - 1]
         cache.commit()
+        self._computed(batch)
+        return self.model.lm_head(last)
+
+    def _computed(self, batch: list[tuple[Request, int]]) -> None:
         for r, n in batch:
             # prompt tokens computed here (the last one usually runs in a decode batch)
             self.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
             r.num_computed += n
-        return self.model.lm_head(last)
 
     def _on_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> None:
         now = time.time()

@@ -192,7 +192,26 @@ class ChatRequest:
     extra: dict = field(default_factory=dict)
 
 
-def _content(v: Any, where: str) -> Any:
+MEDIA_PARTS = ("image_url", "image", "video_url", "video")
+
+
+def _media_part(part: dict, w: str) -> None:
+    """Shape check of an image/video part; its source is loaded (and judged) by k3.chat.media."""
+    kind = part["type"]
+    if kind in ("image_url", "video_url"):
+        v = part.get(kind)
+        url = v.get("url") if isinstance(v, dict) else v
+        if not isinstance(url, str) or not url:
+            raise bad(f"{w}.{kind}", "must be an object {'url': string} with a data: URI or a local file path")
+    elif kind == "image" and not isinstance(part.get("image"), str):
+        raise bad(f"{w}.image", "must be a string (a data: URI or a local file path)")
+    elif kind == "video":
+        v = part.get("video")
+        if not (isinstance(v, str) or (isinstance(v, list) and v and all(isinstance(f, str) for f in v))):
+            raise bad(f"{w}.video", "must be a string or a non-empty list of frame strings (data: URIs or paths)")
+
+
+def _content(v: Any, where: str, vision: bool = False) -> Any:
     if v is None or isinstance(v, str):
         return v
     if not isinstance(v, list):
@@ -202,8 +221,12 @@ def _content(v: Any, where: str) -> Any:
         if not isinstance(part, dict):
             raise bad(w, "must be an object", "invalid_type")
         kind = part.get("type")
-        if kind in ("image_url", "image", "video_url", "input_audio"):
-            raise bad(w, f"content parts of type {kind!r} are not supported by this text-only server",
+        if kind in MEDIA_PARTS and vision:
+            _media_part(part, w)
+            continue
+        if kind in MEDIA_PARTS or kind == "input_audio":
+            what = "this model has no vision encoder" if kind in MEDIA_PARTS else "audio input is not supported"
+            raise bad(w, f"content parts of type {kind!r} are not supported by this text-only server ({what})",
                       "unsupported_content")
         if kind not in (None, "text") or not isinstance(part.get("text"), str):
             raise bad(w, "must be a text part {type: 'text', text: string}")
@@ -257,7 +280,7 @@ def _tools(v: Any, where: str) -> list[dict] | None:
     return out
 
 
-def _message(m: Any, i: int) -> dict:
+def _message(m: Any, i: int, vision: bool = False) -> dict:
     w = f"messages[{i}]"
     if not isinstance(m, dict):
         raise bad(w, "must be an object", "invalid_type")
@@ -266,7 +289,7 @@ def _message(m: Any, i: int) -> dict:
         role = "system"
     if role not in ("system", "user", "assistant", "tool"):
         raise bad(f"{w}.role", f"unknown role {role!r} (expected system, developer, user, assistant or tool)")
-    out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), w)}
+    out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), w, vision)}
     name = m.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -327,14 +350,15 @@ def _thinking_mode(body: dict) -> tuple[bool, str | None]:
     return thinking, effort
 
 
-def parse_chat(body: Any, vocab: int) -> ChatRequest:
+def parse_chat(body: Any, vocab: int, *, vision: bool = False) -> ChatRequest:
+    """Validate a chat request. vision: the model can take image/video content parts."""
     common = parse_common(body, vocab)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of message objects")
     if len(msgs) > MAX_MESSAGES:
         raise bad("messages", f"at most {MAX_MESSAGES} messages")
-    messages = [_message(m, i) for i, m in enumerate(msgs)]
+    messages = [_message(m, i, vision) for i, m in enumerate(msgs)]
     tools = _tools(body.get("tools"), "tools") or None
     tc = body.get("tool_choice")
     named = None

@@ -55,13 +55,17 @@ class PrefixHasher:
             j = len(self._chain)
             if j * self.unit > len(self.tokens):
                 raise ValueError(f"cannot hash unit {j}: only {len(self.tokens)} tokens")
-            self._chain.append(_h(self._chain[-1], _tok_bytes(self.tokens[(j - 1) * self.unit: j * self.unit])))
+            self._chain.append(_h(self._chain[-1], self.span_bytes((j - 1) * self.unit, j * self.unit)))
         return self._chain[k]
 
     def key(self, pos: int) -> bytes:
         """The checkpoint key of tokens[:pos]."""
         k = pos // self.unit
-        return _h(self.anchor(k), _tok_bytes(self.tokens[k * self.unit: pos]), pos.to_bytes(8, "little"))
+        return _h(self.anchor(k), self.span_bytes(k * self.unit, pos), pos.to_bytes(8, "little"))
+
+    def span_bytes(self, lo: int, hi: int) -> bytes:
+        """What identifies tokens[lo:hi] (subclasses add non-token content, e.g. image digests)."""
+        return _tok_bytes(self.tokens[lo:hi])
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from k3.serve.cache_manager import BlockPool, CacheLayout, OutOfBlocks
 from k3.serve.prefix_cache import CheckpointPlan, PrefixCache, PrefixHasher
@@ -69,6 +70,7 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     hasher: PrefixHasher | None = None
+    media: Any = None  # k3.serve.media.RequestMedia: encoded media rows and their prompt positions
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)

@@ -21,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from k3.chat import ChatFormatError, render_segments
+from k3.chat.media import ChatMediaError, load_chat_media
 from k3.chat.xtml import SegmentBuilder
+from k3.data.images import MAX_IMAGE_BYTES
 from k3.serve.async_engine import AsyncEngine, Overloaded
 from k3.serve.chat_output import ChatAssembler, CompletionAssembler
 from k3.serve.metrics import prometheus_text
@@ -33,17 +35,22 @@ log = logging.getLogger("k3.serve")
 @dataclass
 class ServerConfig:
     """model_names: ids accepted in `model` (the first is listed first); default_max_tokens: used when
-    a request gives none (capped by the context left); max_body_bytes: larger bodies get 413."""
+    a request gives none (capped by the context left); max_body_bytes: larger bodies get 413.
+    max_image_bytes: per encoded image (or frame); allow_local_media: accept local file paths as
+    image sources (vision models; see k3.chat.media)."""
 
     model_names: tuple[str, ...] = ("k3",)
     default_max_tokens: int = 4096
     max_body_bytes: int = 16 << 20
     disconnect_poll_s: float = 0.2
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    allow_local_media: bool = True
 
 
 class _State:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, cfg: ServerConfig) -> None:
         self.engine, self.tok, self.cfg = engine, tokenizer, cfg
+        self.vision = getattr(engine.engine, "vision", None)  # VisionConfig of a vision model, else None
         self.http_requests: dict[str, int] = {}
         # no single token is longer than this many bytes: a cheap upper bound on prompt length
         self.max_token_bytes = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.base_size)) or 1
@@ -133,15 +140,15 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
     try:
         body = await _read_json(st, request)
         vocab = st.engine.engine.vocab_limit
-        req = parse_chat(body, vocab) if chat else parse_completion(body, vocab)
+        req = parse_chat(body, vocab, vision=st.vision is not None) if chat else parse_completion(body, vocab)
         common: CommonParams = req.common
         if common.model not in st.cfg.model_names:
             raise APIError(404, f"model {common.model!r} not found; available: {', '.join(st.cfg.model_names)}",
                            param="model", code="model_not_found")
-        prompt, forced, close = await asyncio.to_thread(_tokenize, st, req, chat)
+        prompt, forced, close, media = await asyncio.to_thread(_tokenize, st, req, chat)
         max_tokens = _max_tokens(st, common, len(prompt))
         params = common.sampling(max_tokens, req.logprobs)
-        stream = st.engine.submit(prompt, params)
+        stream = st.engine.submit(prompt, params, media=media) if media else st.engine.submit(prompt, params)
     except APIError as e:
         st.count(f"status_{e.status}")
         return JSONResponse(e.body(), status_code=e.status)
@@ -164,19 +171,22 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
     return await _collect(st, request, asm, stream)
 
 
-def _tokenize(st: _State, req: Any, chat: bool) -> tuple[list[int], list[int], list[int]]:
-    """-> (prompt ids including any forced prefix, the forced prefix, ids closing it). APIError(400)."""
+def _tokenize(st: _State, req: Any, chat: bool) -> tuple[list[int], list[int], list[int], list]:
+    """-> (prompt ids including any forced prefix, the forced prefix, ids closing it, media tensors).
+    APIError(400)."""
     tok = st.tok
     limit = st.engine.engine.max_model_len
     try:
         if not chat:
             if isinstance(req.prompt, list):
-                return list(req.prompt), [], []
+                return list(req.prompt), [], [], []
             _length_precheck(st, len(req.prompt.encode("utf-8", errors="replace")), limit)
-            return tok.encode(req.prompt, allow_special=True), [], []
+            return tok.encode(req.prompt, allow_special=True), [], [], []
         return _chat_prompt(st, req)
     except APIError:
         raise
+    except ChatMediaError as e:
+        raise APIError(400, f"invalid image: {e}", param=e.param, code="invalid_image") from None
     except (ChatFormatError, ValueError, TypeError, RecursionError) as e:
         raise APIError(400, f"cannot render the conversation: {str(e)[:500]}", code="invalid_messages") from None
 
@@ -191,10 +201,15 @@ def _encode(st: _State, b: SegmentBuilder) -> list[int]:
     return [t for s in b.segments for t in st.tok.encode(s.text, allow_special=s.special)]
 
 
-def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int], list[int]]:
-    segs = render_segments(req.messages, req.tools, thinking=req.thinking,
+def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int], list[int], list]:
+    messages, prompts, media = req.messages, None, []
+    if st.vision is not None:
+        cm = load_chat_media(req.messages, st.vision, max_bytes=st.cfg.max_image_bytes,
+                             max_total_tokens=st.engine.engine.max_model_len, allow_local=st.cfg.allow_local_media)
+        messages, prompts, media = cm.messages, cm.prompts, cm.media
+    segs = render_segments(messages, req.tools, thinking=req.thinking,
                            thinking_effort=req.effort if req.thinking else None, add_generation_prompt=True,
-                           tool_choice=req.tool_choice, response_format=req.response_format)
+                           tool_choice=req.tool_choice, response_format=req.response_format, image_prompts=prompts)
     _length_precheck(st, sum(len(s.text.encode("utf-8", errors="replace")) for s in segs),
                      st.engine.engine.max_model_len)
     ids = [t for s in segs for t in st.tok.encode(s.text, allow_special=s.special)]
@@ -214,7 +229,7 @@ def _chat_prompt(st: _State, req: ChatRequest) -> tuple[list[int], list[int], li
         b.close_tag("call")
         b.close_tag("tools")
         close = _encode(st, b)
-    return ids + forced, forced, close
+    return ids + forced, forced, close, media
 
 
 def _max_tokens(st: _State, common: CommonParams, prompt_len: int) -> int:

@@ -17,11 +17,12 @@ import torch
 from k3.config import K3Config, apply_overrides, get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.moe import LatentMoE
-from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer, build_param_groups
+from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_state, set_rng_state
+from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
 
 
 def wants_distributed() -> bool:
@@ -37,6 +38,7 @@ class TrainResult:
     last_val_loss: float | None
     unigram_entropy: float
     interrupted: bool = False
+    vision_eval: dict[str, Any] | None = None  # VisionEvalResult.to_dict() of a vision-language run
 
 
 class Trainer:
@@ -69,12 +71,17 @@ class Trainer:
             self.par.barrier()
         self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
         self.num_params = self.model.num_parameters()
+        self.vision: VisionData | None = None
+        if self.model.vision is not None:
+            if self.par is not None:
+                raise ValueError(f"preset {cfg.preset!r}: vision-language training under torchrun is not supported yet")
+            self.vision = prepare_vision_data(cfg, self.data.tokenizer, self.model.vision.cfg, self.progress.message)
         if self.par is not None:
             self.par.setup(self.model)
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
         self.forward = torch.compile(self.model) if cfg.compile else self.model
         geom = HeadGeometry.from_config(self.model_config.text_config)
-        groups = build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr)
+        groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]
         self.opt = PerHeadMuon(groups) if self.par is None else self.par.optimizer(groups)
         self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
@@ -103,6 +110,10 @@ class Trainer:
         base = overrides.get("vocab_size", mc.text_config.vocab_size) - 256
         overrides.update(bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255,
                          media_placeholder_token_id=base + 21)
+        hidden = overrides.get("hidden_size", (overrides.get("text_config") or {}).get("hidden_size"))
+        if mc.vision_config is not None and hidden is not None and "vision_config" not in overrides:
+            # the projector's output width follows the text model's width
+            overrides["vision_config"] = dict(mc.vision_config, text_hidden_size=hidden)
         mc = apply_overrides(mc, overrides)
         mc.dtype = "float32" if self.device.type == "cpu" else "bfloat16"
         mc.quantization_config = None  # experts train in full precision; QAT comes later
@@ -110,9 +121,10 @@ class Trainer:
 
     def _resume(self) -> None:
         st = load_state(self.ckpt_dir)
-        if st["train_config"] != self.cfg.to_dict() | {"out": st["train_config"]["out"]}:
-            changed = sorted(k for k, v in self.cfg.to_dict().items()
-                             if k != "out" and st["train_config"].get(k) != v)
+        # Through from_dict: keys added to TrainConfig after the checkpoint was written take their defaults.
+        saved = TrainConfig.from_dict(st["train_config"]).to_dict()
+        if saved != self.cfg.to_dict() | {"out": saved["out"]}:
+            changed = sorted(k for k, v in self.cfg.to_dict().items() if k != "out" and saved.get(k) != v)
             raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
         if isinstance(st["model"], str):  # "dcp": a sharded checkpoint from a distributed run
             from k3.distributed.checkpoint import load_dcp
@@ -126,6 +138,8 @@ class Trainer:
             self.par.load_full_optimizer_state(self.opt, st["optimizer"])
         self.qb.load_state_dict(st["qb"])
         self.data.loader.load_state_dict(st["loader"])
+        if self.vision is not None:
+            self.vision.loader.load_state_dict(st["vision_loader"])
         set_rng_state(st["rng"])
         self.step, self.stage, self.val_history = st["step"], st["stage"], st["val_history"]
         if self.main:
@@ -147,7 +161,7 @@ class Trainer:
             "model_config": self.model_config.to_dict(),
             "model": model, "optimizer": opt, "qb": self.qb.state_dict(),
             "loader": self.data.loader.state_dict(), "rng": rng_state(),
-        })
+        } | ({} if self.vision is None else {"vision_loader": self.vision.loader.state_dict()}))
 
     # ---- loop -----------------------------------------------------------------------------------
     def _autocast(self):
@@ -173,8 +187,12 @@ class Trainer:
         self.model.train()
         batch = next(self.data.loader)
         ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+        vb = vision_loss = None
         with self._autocast():
-            if self.par is None:
+            if self.vision is not None:  # image chats packed after the text rows, one forward
+                vb = next(self.vision.loader).to(self.device)
+                objective, loss, vision_loss = joint_loss(self.forward, ids, labels, cu, vb, self.cfg.vision_loss_weight)
+            elif self.par is None:
                 objective = loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
             else:
                 objective, loss = self.par.loss(self.forward, self.par.local_batch(ids, labels, cu, batch.seq_len))
@@ -200,6 +218,9 @@ class Trainer:
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
         if balance is not None:
             rec["max_load_ratio"] = balance
+        if vision_loss is not None:
+            rec["vision_loss"] = vision_loss.item()
+            rec["vision_tokens"] = vb.num_tokens
         if self.par is not None:
             rec.update(self.par.metrics())
         return rec
@@ -239,7 +260,8 @@ class Trainer:
                 self.log.write(rec)
                 if not math.isfinite(rec["loss"]):
                     raise FloatingPointError(f"loss became {rec['loss']} at step {self.step}")
-                self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"))
+                self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"),
+                                     f"vl {rec['vision_loss']:.3f}" if "vision_loss" in rec else "")
                 self.step += 1
                 if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
                     val = self.evaluate()
@@ -258,11 +280,27 @@ class Trainer:
         self.save()
         if self.main:
             plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+        vision_eval = None
         if not interrupted:
             self.export(os.path.join(self.out, "final"))
+            vision_eval = self.evaluate_vision()
         self.log.close()
         return TrainResult(self.out, self.step, self.val_history[0] if self.val_history else None,
-                           self.val_history[-1] if self.val_history else None, self.data.unigram_entropy, interrupted)
+                           self.val_history[-1] if self.val_history else None, self.data.unigram_entropy, interrupted,
+                           vision_eval)
+
+    def evaluate_vision(self) -> dict[str, Any] | None:
+        """Held-out multiple-choice accuracy (colour / shape / count) of a vision-language run."""
+        if self.vision is None:
+            return None
+        from k3.train.vision_eval import evaluate_vision
+
+        t0 = time.perf_counter()
+        with self._autocast():
+            res = evaluate_vision(self.model, self.data.tokenizer, self.vision.heldout)
+        self.log.write({"step": self.step, "vision_eval": res.to_dict()})
+        self.progress.message(f"step {self.step}: {res.summary()} [{time.perf_counter() - t0:.1f} s]")
+        return res.to_dict()
 
     def export(self, path: str) -> None:
         """The final model in the official checkpoint format, plus the tokenizer files."""

@@ -125,7 +125,10 @@ def ck_copy(bf16_ckpt, tmp_path):
 def test_official_inventory_kimi_k3():
     cfg = kimi_k3()
     off = official_shapes(cfg)
-    assert len(off) == 497_052
+    # spec 3.7: 497,052 text tensors + 168 vision/projector tensors = the 497,220 of the K3 index
+    assert len(off) == 497_220
+    assert sum(not n.startswith(P) for n in off) == 168
+    assert len(official_shapes(cfg.text_config, "mxfp4")) == 497_052
     L = "language_model.model.layers."
     assert off[L + "1.self_attn.A_log"] == ((128,), "F32")
     assert off[L + "1.self_attn.q_conv1d.weight"] == ((12288, 1, 4), "F32")
@@ -144,7 +147,7 @@ def test_official_inventory_kimi_k3():
     # total parameters (logical, A_log unpadded) = 2,779.5 B (spec §6)
     total = sum(torch.Size(s).numel() for s, _ in internal_shapes(cfg).values())
     assert abs(total / 2779.5e9 - 1) < 1e-3, total
-    assert len(official_shapes(cfg, "bf16")) == 497_052 - 92 * 896 * 3
+    assert len(official_shapes(cfg, "bf16")) == 497_220 - 92 * 896 * 3
 
 
 def test_internal_shapes_variants():

@@ -25,6 +25,10 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 # fp32 with the decay pinned at the bound: G spans 320 nats per chunk, so exp(G) factors carry
 # ~ulp(320) = 3e-5 relative error and dg sums them with cancellation
 PINNED_TOL = 3e-4
+# dA_log [H] is one sum over T * K products dz * z with heavy cancellation: with bf16 chunk
+# intermediates (fla's design too) its relative error on the T = 100 test input is 2.4e-2 even with
+# every dot at tf32x3 (measured under the emulating interpreter), so bf16 bounds it separately.
+DALOG_TOL = {torch.bfloat16: 5e-2}
 # GPU-size duplicates of the CPU tests: CI deselects them (-m "not gpu"); run them on the H200 with -m gpu.
 GPU = pytest.mark.gpu
 
@@ -96,7 +100,8 @@ def _check_all(x, *, gate, l2, bsig, cu=None, tol=None, bound=-5.0):
     for n, a, b in zip(names, grads, rgrads):
         assert a.dtype == x[n].dtype and a.shape == x[n].shape, n
         errs[f"d{n}"] = _rel(a, b)
-    bad = {n: e for n, e in errs.items() if not e < tol}
+    lim = {n: DALOG_TOL.get(x["q"].dtype, tol) if n == "dA_log" else tol for n in errs}
+    bad = {n: e for n, e in errs.items() if not e < lim[n]}
     assert not bad, f"above {tol}: {bad}; all: {errs}"
 
 

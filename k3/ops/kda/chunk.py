@@ -13,18 +13,24 @@ per-step log-decay is bounded below.  Hence:
     before the factors overflow).  Without a declared bound this backend raises ValueError:
     use the torch or reference backend for unbounded gates.
 
-Precision.  State, decay, the UT inverse and every dot operand are fp32 (tensor cores at tf32 or
-tf32x3, see `_precisions`; the factorised exponentials need fp32 range, so fp16 inputs are safe).
-Intermediates (W, U, qg, kg, P, per-chunk states, Vn, dVn) are stored in the input dtype, which
-bounds bf16 accuracy to ~0.5 % relative (fla's level).
+Precision.  State, decay and the UT inverse are fp32.  For bf16/fp16 inputs the state / value
+dots take their operands in the input dtype (bf16 tensor cores, fp32 accumulation), the intra-
+chunk A/P dots and the inverse fp32 operands rounded to tf32 (round to nearest, not the tensor
+cores' truncation), the backward A/P dots tf32x3 (see `_precisions`); fp32 inputs use tf32x3
+throughout.  The factorised exponentials need fp32 range, so fp16 inputs are safe.  Intermediates
+(W, U, qg, kg, P, per-chunk states, Vn, dR) are stored in the input dtype, which bounds bf16
+accuracy to ~0.3 % relative (fla's level).
 
-Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC (dot
-precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk widths),
-K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD}, K3_KDA_STAGES.
-Measured effects are in docs/kda_kernels.md.
+Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
+widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
+K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
+/ H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one hits an
+illegal address on Triton 3.6 / H200).  Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
+Intermediates are chunk-major [chunks, H, 64, D] with the last chunk of each sequence zero-padded.
 """
 
 from __future__ import annotations
@@ -107,34 +113,54 @@ def _bv(V: int, programs_per_bv64: int) -> int:
     return bv
 
 
+def _fwd_state_tiles(V: int, NH: int) -> tuple[int, int]:
+    """(BV, warps) of the forward state scan.  With V = 128 and at least 64 (sequence, head) pairs,
+    one program per pair holds the whole 128 x 128 state (8 warps): the chunk tiles W, qg, kg, P
+    are then loaded once instead of once per value block, and the grid is one wave (H200, B1 T8192
+    H96: 0.76 ms vs 1.05 ms with 4 programs of BV 32 per pair).  Otherwise the value dimension is
+    split to fill the GPU.  Env K3_KDA_BV / K3_KDA_WARPS_STATE override."""
+    if os.environ.get("K3_KDA_BV") is None and V == 128 and NH >= 64:
+        return 128, _warps("STATE", 8)
+    return _bv(V, NH * max(V // 64, 1)), _warps("STATE", 4)
+
+
 def _tile(name: str, default: int, dim: int) -> int:
     """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
     return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
+
+
+def _flag(name: str, default: bool) -> bool:
+    """Boolean kernel switch (env K3_KDA_<name> = 0 / 1 for tuning)."""
+    return os.environ.get(f"K3_KDA_{name}", str(int(default))) == "1"
 
 
 def _warps(name: str, default: int) -> int:
     return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
 
 
-def _stages(dtype: torch.dtype) -> int:
-    """Software-pipelining depth: 1 (fp32 operand tiles would not fit shared memory with more; the
-    sequential loops are latency-bound and gain nothing from deeper prefetch)."""
-    return int(os.environ.get("K3_KDA_STAGES", 1))
+def _stages() -> int:
+    """Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are
+    issued while the current one computes)."""
+    return int(os.environ.get("K3_KDA_STAGES", "2"))
 
 
-def _precisions(dtype: torch.dtype) -> tuple[str, str, str]:
-    """(intra-chunk A/P precision, inverse precision, state-dot precision) of the fp32-operand dots.
+def _precisions(dtype: torch.dtype) -> tuple[str, str, str, str]:
+    """Dot precisions (forward A/P, UT inverse, state / value dots, backward A/P).
 
-    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: tf32 everywhere (its
-    10-bit mantissa is finer than the bf16 storage of the intermediates).  Measured on the H200
-    (B1 T2048 H4 D128 bf16 vs float64): tf32 gives gate-parameter gradients (dA_log, ddt_bias: sums
-    over every token) within ~1.6e-2 relative, tf32x3 for A/P and the inverse (env
-    K3_KDA_AP_PREC=tf32x3 K3_KDA_T_PREC=tf32x3) within ~5e-3 like fla, at 2.7x the forward time
-    (B1 T8192 H96)."""
+    fp32 inputs: tf32x3 everywhere (about fp32 accuracy).  bf16/fp16 inputs: the state / value
+    dots take their operands in the storage dtype ("half"); the forward A/P dots and the inverse
+    run on fp32 operands rounded to the nearest tf32 ("tf32r": plain "tf32" lets the tensor cores
+    truncate, a bias); the backward A/P dots, whose outputs feed dg through a reverse cumsum with
+    heavy cancellation and then the gate-parameter sums, run at "tf32x3".  Measured under the
+    emulating interpreter (fp16, T 100, K = V = 64): ddt_bias 1.5e-2 -> 3.8e-4 and dg 2.5e-3 ->
+    3.7e-4 relative when only the backward A/P dots move from tf32r to tf32x3; the forward A/P and
+    inverse precision change neither.  Env overrides K3_KDA_AP_PREC, K3_KDA_T_PREC, K3_KDA_S_PREC,
+    K3_KDA_AP_PREC_BWD ("tf32", "tf32r", "tf32x3", "ieee"; S also "half")."""
     if dtype == torch.float32:
-        return "tf32x3", "tf32x3", "tf32x3"
+        return "tf32x3", "tf32x3", "tf32x3", "tf32x3"
     env = os.environ.get
-    return env("K3_KDA_AP_PREC", "tf32"), env("K3_KDA_T_PREC", "tf32"), env("K3_KDA_S_PREC", "tf32")
+    return (env("K3_KDA_AP_PREC", "tf32r"), env("K3_KDA_T_PREC", "tf32r"), env("K3_KDA_S_PREC", "half"),
+            env("K3_KDA_AP_PREC_BWD", "tf32x3"))
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -142,17 +168,17 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    TT = B * T
     NC, N = meta.NC, meta.N
     gate = A_log is not None
-    W = torch.empty(TT, H, K, device=dev, dtype=dt)
+    # chunk-major padded intermediates [NC, H, 64, D] (see triton_common)
+    W = torch.empty(NC, H, CHUNK, K, device=dev, dtype=dt)
     QG = torch.empty_like(W)
     KG = torch.empty_like(W)
-    U = torch.empty(TT, H, V, device=dev, dtype=dt)
-    P = torch.empty(TT, H, CHUNK, device=dev, dtype=dt)
+    U = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt)
+    P = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=dt)
     GL = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    Tm = torch.empty(TT, H, CHUNK, device=dev, dtype=torch.float32) if training else GL
-    ap, tp, sp = _precisions(dt)
+    Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32) if training else GL
+    ap, tp, sp, _ = _precisions(dt)
     dummy = GL
     bv_intra = min(V, 64)
     if NC > 0:
@@ -161,21 +187,21 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp,
-            num_warps=_warps("INTRA", 8 if K >= 128 else 4), num_stages=_stages(dt),
+            STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
+            num_warps=_warps("INTRA", 4), num_stages=1,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     Hs = torch.empty(NC, H, K, V, device=dev, dtype=dt) if training else None
-    VN = torch.empty(TT, H, V, device=dev, dtype=dt) if training else None
-    BV = _bv(V, N * H * max(V // 64, 1))
+    VN = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt) if training else None
+    BV, warps = _fwd_state_tiles(V, N * H)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     _kda_fwd_state[(N * H, triton.cdiv(V, BV))](
         W, U, P, QG, KG, GL, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=sp, num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        PREC=sp, STAGES=_stages(), num_warps=warps,
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -189,22 +215,22 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dev, dt = q.device, q.dtype
     NC, N = meta.NC, meta.N
     gate = A_log is not None
-    ap, tp, sp = _precisions(dt)
+    _, tp, sp, apb = _precisions(dt)
     do = do.contiguous()
     DH = torch.empty(NC, H, K, V, device=dev, dtype=dt)
-    DVN = torch.empty(B * T, H, V, device=dev, dtype=dt)
+    DR = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    dv = torch.empty_like(v)
     BV = _bv(V, N * H * max(V // 64, 1))
     dummy = GL
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
-        P, QG, KG, W, GL, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DVN,
+        P, QG, KG, W, Tm, GL, beta, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DR, dv,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, PREC=sp,
-        num_warps=_warps("STATE", 4), num_stages=_stages(dt),
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, BSIG=bsig, PREC=sp, T_PREC=tp, STAGES=_stages(),
+        num_warps=_warps("STATE", 4),
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
@@ -214,16 +240,15 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     if NC > 0:
         _kda_bwd_intra[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            Tm, Hs, DH, VN, DVN, do, o, dk32, dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+            Hs, DH, VN, DR, do, o, dk32, dq, dk, dg, dbeta, dA_part, ddt_part,
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=ap, T_PREC=tp, S_PREC=sp,
-            num_warps=_warps("BWD", 8 if K >= 128 else 4),
-            num_stages=_stages(dt),
+            AP_PREC=apb, S_PREC=sp, CUMDOT=_flag("CUMDOT_BWD", False),
+            num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
         )
     else:
-        for t in (dq, dk, dv, dg, dbeta):
+        for t in (dq, dk, dg, dbeta):
             t.zero_()
     dA_log = dA_part.sum(0).to(A_log.dtype) if gate else None
     ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate else None

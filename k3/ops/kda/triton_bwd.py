@@ -1,19 +1,20 @@
 """Chunked KDA backward kernels (Triton).
 
 Forward per chunk (triton_fwd):  Vn = U - W S,  O = qg S + P Vn,  S' = e^gl S + kg^T Vn,
-with U = T (beta v), W = T (beta k e^G), T = (I + A)^-1.
+with U = T (beta v), W = T (beta k e^G), T = (I + A)^-1.  Since U - W S = T R with the residual
+R = beta v - Xw S (Xw = beta k e^G), the whole T / W / U branch reduces to dR = T^T dVn:
+    dT = dVn R^T,  dA = -T^T dT T^T = -dR Vn^T,  d(beta v) = dR,  dXw = -dR S^T.
 
   1. `_kda_bwd_state`, grid (N * H, V / BV), sequential backwards over chunks:
-        dVn = P^T dO + kg dS';   dS = qg^T dO + e^gl dS' - W^T dVn
-     stores dS' per chunk (DH), dVn (DVN) and the initial-state gradient.
-  2. `_kda_bwd_intra`, grid (chunks, H), parallel, from the saved per-chunk state S, DH, Vn, DVN, T:
-        dqg = dO S^T, dkg = Vn dS'^T, dW = -dVn S^T, dP = dO Vn^T, dU = dVn
-        dT = dW Xw^T + dU Xu^T,  dXw = T^T dW,  dXu = T^T dU,  dA = -T^T dT T^T
-     then dA/dP through the factorised 16-row blocks, dG (elementwise, then a reverse cumsum),
-     and the prologue backward (gate, L2 norm, sigmoid).  Passes: values (dP, dT, dv), key chunks
-     (dW Xw^T completes dT), key chunks again (all key-side gradients), and with the L2 norm over
-     several key chunks a last pass that projects dk_hat (kept in fp32 scratch meanwhile); the q
-     projection needs q_hat . dq_hat = dO . O only (O is linear in q_hat).
+        dVn = P^T dO + kg dS';   dR = T^T dVn;   dS = qg^T dO + e^gl dS' - W^T dVn
+     stores dS' per chunk (DH), dR (DR, chunk-major) and dv = beta dR (from fp32), and the
+     initial-state gradient.
+  2. `_kda_bwd_intra`, grid (chunks, H), parallel, from the saved per-chunk state S, DH, Vn, DR:
+     value pass: dP = dO Vn^T, dA = -dR Vn^T, beta's share sum_v dR v;  key pass (per key chunk):
+     dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T, then dA / dP through the factorised 16-row
+     blocks, dG (elementwise, then a reverse cumsum) and the prologue backward (gate, L2 norm,
+     sigmoid).  With the L2 norm over several key chunks a last pass projects dk_hat (kept in fp32
+     scratch meanwhile); the q projection needs q_hat . dq_hat = dO . O only (O is linear in q_hat).
 """
 
 from __future__ import annotations
@@ -21,15 +22,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton_common import _beta, _cumdecay, _dot, _gate, _ld, _ld_state, _rnorms, _st, _st_state
+from k3.ops.kda.triton_common import (
+    _beta,
+    _cumdecay,
+    _cvt,
+    _dot,
+    _exp,
+    _expw,
+    _gate,
+    _ld,
+    _ld_state,
+    _ldc,
+    _rnorms,
+    _sdot,
+    _st,
+    _st_state,
+    _stc,
+)
 
 
 @triton.jit
 def _kda_bwd_state(
-    P, QG, KG, W, GL, do, dht, dh0, DH, DVN,
+    P, QG, KG, W, Tt, GL, beta, do, dht, dh0, DH, DR, dv,
     cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr,
+    USE_DHT: tl.constexpr, BSIG: tl.constexpr, PREC: tl.constexpr, T_PREC: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_v = tl.program_id(1)
@@ -45,35 +63,43 @@ def _kda_bwd_state(
         dS = _ld_state(dht, i_nh.to(tl.int64) * (K * V), 0, v0, V, K, BV).to(tl.float32)
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
-    for jj in range(nt):
+    for jj in tl.range(nt, num_stages=STAGES):
         j = nt - 1 - jj
-        _st_state(DH, ((c0 + j) * H + i_h).to(tl.int64) * (K * V), 0, v0, dS, V, K, BV)
         start = bos + j * 64
         row64 = start.to(tl.int64) * H + i_h
         nr = eos - start
+        tile = (c0 + j).to(tl.int64) * H + i_h
         b_do = _ld(do, row64, nr, v0, H, V, BV)
-        b_p = _ld(P, row64, nr, 0, H, 64, 64)
-        b_kg = _ld(KG, row64, nr, 0, H, K, K)
-        b_qg = _ld(QG, row64, nr, 0, H, K, K)
-        b_w = _ld(W, row64, nr, 0, H, K, K)
-        b_gl = tl.load(GL + ((c0 + j) * H + i_h).to(tl.int64) * K + o_k)
-        b_dvn = _dot(tl.trans(b_p), b_do, PREC) + _dot(b_kg, dS, PREC)
-        _st(DVN, row64, nr, v0, b_dvn, H, V, BV)
-        dS = dS * tl.exp(b_gl)[:, None] + _dot(tl.trans(b_qg), b_do, PREC) \
-            - _dot(tl.trans(b_w), b_dvn, PREC)
+        b_p = _ldc(P, tile, 0, 64, 64)
+        b_kg = _ldc(KG, tile, 0, K, K)
+        b_qg = _ldc(QG, tile, 0, K, K)
+        b_w = _ldc(W, tile, 0, K, K)
+        b_tt = _ldc(Tt, tile, 0, 64, 64)
+        b_gl = tl.load(GL + tile * K + o_k)
+        b_b = _beta(beta, row64, tl.arange(0, 64) < nr, H, BSIG)
+        dSc = _cvt(dS, W.dtype.element_ty)
+        _st_state(DH, tile * (K * V), 0, v0, dSc, V, K, BV)
+        b_dvn = _sdot(tl.trans(b_p), b_do, PREC) + _sdot(b_kg, dSc, PREC)
+        # dR = T^T dVn is the gradient of the residual R = (I + A) Vn = beta v - beta k e^G S
+        # (Vn = T R): dv = beta dR here, the rest of the intra-chunk backward works from dR.
+        b_dr = _dot(b_tt, b_dvn, T_PREC)
+        _stc(DR, tile, v0, b_dr, V, BV)
+        _st(dv, row64, nr, v0, b_dr * b_b[:, None], H, V, BV)
+        dS = dS * _expw(b_gl, W.dtype.element_ty == tl.float32)[:, None] + _sdot(tl.trans(b_qg), b_do, PREC) \
+            - _sdot(tl.trans(b_w), _cvt(b_dvn, W.dtype.element_ty), PREC)
     _st_state(dh0, i_nh.to(tl.int64) * (K * V), 0, v0, dS, V, K, BV)
 
 
 @triton.jit
 def _kda_bwd_intra(
     q, k, v, g, beta, A_log, dt_bias,
-    Tm, Hs, DH, VN, DVN, do, o, dk32,
-    dq, dk, dv, dg, dbeta, dA_part, ddt_part,
+    Hs, DH, VN, DR, do, o, dk32,
+    dq, dk, dg, dbeta, dA_part, ddt_part,
     cu_seqlens, chunk_info,
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, S_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -81,55 +107,38 @@ def _kda_bwd_intra(
     start = tl.load(chunk_info + 2 * i_c + 1)
     nr = tl.load(cu_seqlens + i_n + 1) - start
     row64 = start.to(tl.int64) * H + i_h
+    tile = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, 64)
     o_s = tl.arange(0, 64)
     o4 = tl.arange(0, 4)
     m_t = o_t < nr
-    hbase = (i_c * H + i_h).to(tl.int64) * (K * V)
+    hbase = tile * (K * V)
 
     b_b = _beta(beta, row64, m_t, H, BSIG)
     rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
-    b_T = _ld(Tm, row64, nr, 0, H, 64, 64)
-    b_Tt = tl.trans(b_T)
 
-    # ---- pass 1, values: dP = dO Vn^T, dT = dVn Xu^T, dXu = T^T dVn -> dv, dbeta ----------------
+    # ---- value pass: dP = dO Vn^T, dA = -dR Vn^T, beta's share through beta v ------------------
     dP = tl.zeros([64, 64], dtype=tl.float32)
-    dT = tl.zeros([64, 64], dtype=tl.float32)
+    dA = tl.zeros([64, 64], dtype=tl.float32)
     db = tl.zeros([64], dtype=tl.float32)
     rowq = tl.zeros([64], dtype=tl.float32)
     for vc in range(V // BV):
         b_do = _ld(do, row64, nr, vc * BV, H, V, BV)
         if L2:  # q_hat . dq_hat = dO . O  (O is linear in q_hat)
             rowq += tl.sum(b_do.to(tl.float32) * _ld(o, row64, nr, vc * BV, H, V, BV).to(tl.float32), axis=1)
-        b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
-        b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
-        b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        dP += _dot(b_do, tl.trans(b_vn), S_PREC)
-        dT += _dot(b_dvn, tl.trans(b_v * b_b[:, None]), S_PREC)
-        dxu = tl.dot(b_Tt, b_dvn.to(tl.float32), input_precision=T_PREC)
-        _st(dv, row64, nr, vc * BV, dxu * b_b[:, None], H, V, BV)
-        db += tl.sum(dxu * b_v, axis=1)
-
-    # ---- pass 2, keys: dT += dW Xw^T with dW = -dVn S^T -----------------------------------------
-    for kc in range(K // BK):
-        b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
-        b_g = _gate(_ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, kc * BK, m_t,
-                    lower_bound, K, BK, GATE)
-        G3, G, mid, gl = _cumdecay(b_g, BK)
-        dWn = tl.zeros([64, BK], dtype=tl.float32)
-        for vc in range(V // BV):
-            b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
-            b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
-            dWn += _dot(b_dvn, tl.trans(b_h), S_PREC)
-        dT -= tl.dot(dWn, tl.trans(b_k * b_b[:, None] * tl.exp(G)), input_precision=T_PREC)
-    dA = -tl.dot(tl.dot(b_Tt, dT, input_precision=T_PREC), b_Tt, input_precision=T_PREC)
+        b_vn = _ldc(VN, tile, vc * BV, V, BV)
+        b_dr = _ldc(DR, tile, vc * BV, V, BV)
+        b_vnt = tl.trans(b_vn)
+        dP += _sdot(b_do, b_vnt, S_PREC)
+        dA -= _sdot(b_dr, b_vnt, S_PREC)
+        db += tl.sum(b_dr.to(tl.float32) * _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32), axis=1)
     dA3 = tl.reshape(tl.where(o_t[:, None] > o_s[None, :], dA, 0.0), (4, 16, 64))
     dP3 = tl.reshape(tl.where(o_t[:, None] >= o_s[None, :], dP, 0.0), (4, 16, 64))
     dA3t = tl.permute(dA3, (0, 2, 1))
     dP3t = tl.permute(dP3, (0, 2, 1))
     cmask4 = o_s[None, :] < 16 * (o4[:, None] + 1)
 
-    # ---- pass 3, keys: every key-side gradient of this key chunk --------------------------------
+    # ---- key pass: every key-side gradient of this key chunk ------------------------------------
     dAlog = tl.sum(tl.zeros([64], dtype=tl.float32), axis=0)
     rowk = tl.zeros([64], dtype=tl.float32)
     for kc in range(K // BK):
@@ -137,43 +146,39 @@ def _kda_bwd_intra(
         b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
         graw = _ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32)
         b_g = _gate(graw, A_log, dt_bias, i_h, kc * BK, m_t, lower_bound, K, BK, GATE)
-        G3, G, mid, gl = _cumdecay(b_g, BK)
-        eG = tl.exp(G)
+        G3, G, mid, gl = _cumdecay(b_g, BK, CUMDOT)
+        eG = _expw(G, q.dtype.element_ty == tl.float32)
         dqg = tl.zeros([64, BK], dtype=tl.float32)
         dkg = tl.zeros([64, BK], dtype=tl.float32)
-        dWn = tl.zeros([64, BK], dtype=tl.float32)
+        dxw = tl.zeros([64, BK], dtype=tl.float32)
         dgl_s = tl.zeros([BK], dtype=tl.float32)
         for vc in range(V // BV):
             b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
             b_dh = _ld_state(DH, hbase, kc * BK, vc * BV, V, BK, BV)
-            b_do = _ld(do, row64, nr, vc * BV, H, V, BV)
-            b_vn = _ld(VN, row64, nr, vc * BV, H, V, BV)
-            b_dvn = _ld(DVN, row64, nr, vc * BV, H, V, BV)
             b_ht = tl.trans(b_h)
-            dqg += _dot(b_do, b_ht, S_PREC)
-            dkg += _dot(b_vn, tl.trans(b_dh), S_PREC)
-            dWn += _dot(b_dvn, b_ht, S_PREC)
+            dqg += _sdot(_ld(do, row64, nr, vc * BV, H, V, BV), b_ht, S_PREC)
+            dkg += _sdot(_ldc(VN, tile, vc * BV, V, BV), tl.trans(b_dh), S_PREC)
+            dxw -= _sdot(_ldc(DR, tile, vc * BV, V, BV), b_ht, S_PREC)
             dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G
+        # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
         b_dq = scale * eG * dqg
         b_dG = b_q * b_dq
-        b_dk = tl.exp(gl[None, :] - G) * dkg
+        b_dk = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
         b_dG -= b_k * b_dk
-        dgl = tl.sum(b_k * b_dk, axis=0) + tl.exp(gl) * dgl_s
+        dgl = tl.sum(b_k * b_dk, axis=0) + _expw(gl, q.dtype.element_ty == tl.float32) * dgl_s
         xw = b_k * b_b[:, None] * eG
-        dxw = -tl.dot(b_Tt, dWn, input_precision=T_PREC)
         b_dk += b_b[:, None] * eG * dxw
         b_dG += xw * dxw
         db += tl.sum(dxw * b_k * eG, axis=1)
         # intra-chunk A / P through the factorised 16-row blocks
-        Fr3 = tl.exp(G3 - mid[:, None, :])
+        Fr3 = _exp(G3 - mid[:, None, :])
         Qr3 = tl.reshape(b_q * scale, (4, 16, BK)) * Fr3
         Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
-        ec4 = tl.exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
+        ec4 = _exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
         kc4 = b_k[None, :, :] * ec4
-        rq3 = tl.dot(dP3, kc4, input_precision=AP_PREC)
-        rk3 = tl.dot(dA3, kc4, input_precision=AP_PREC)
-        col4 = tl.dot(dP3t, Qr3, input_precision=AP_PREC) + tl.dot(dA3t, Kr3, input_precision=AP_PREC)
+        rq3 = _dot(dP3, kc4, AP_PREC)
+        rk3 = _dot(dA3, kc4, AP_PREC)
+        col4 = _dot(dP3t, Qr3, AP_PREC) + _dot(dA3t, Kr3, AP_PREC)
         dkc = tl.sum(col4 * ec4, axis=0)
         Fr = tl.reshape(Fr3, (64, BK))
         dqP = scale * Fr * tl.reshape(rq3, (64, BK))
@@ -186,13 +191,13 @@ def _kda_bwd_intra(
         b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
         # gate backward (per channel sums of this chunk for dt_bias, one scalar for A_log)
         if GATE:
-            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            a = _exp(tl.load(A_log + i_h).to(tl.float32))
             bias = tl.load(dt_bias + i_h * K + kc * BK + tl.arange(0, BK)).to(tl.float32)
             z = a * (graw + bias[None, :])
-            s = 1.0 / (1.0 + tl.exp(-z))
+            s = 1.0 / (1.0 + _exp(-z))
             dz = tl.where(m_t[:, None], b_dg * lower_bound * s * (1.0 - s), 0.0)
             _st(dg, row64, nr, kc * BK, dz * a, H, K, BK)
-            tl.store(ddt_part + (i_c * H + i_h).to(tl.int64) * K + kc * BK + tl.arange(0, BK), tl.sum(dz * a, axis=0))
+            tl.store(ddt_part + tile * K + kc * BK + tl.arange(0, BK), tl.sum(dz * a, axis=0))
             dAlog += tl.sum(tl.sum(dz * z, axis=1), axis=0)
         else:
             _st(dg, row64, nr, kc * BK, b_dg, H, K, BK)
@@ -208,12 +213,12 @@ def _kda_bwd_intra(
         else:
             _st(dk, row64, nr, kc * BK, b_dk, H, K, BK)
     if GATE:
-        tl.store(dA_part + i_c * H + i_h, dAlog)
+        tl.store(dA_part + tile, dAlog)
     if BSIG:
         db = db * b_b * (1.0 - b_b)
-    tl.store(dbeta + row64 + o_t.to(tl.int64) * H, db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + row64 + o_t.to(tl.int64) * H, _cvt(db, dbeta.dtype.element_ty), mask=m_t)
 
-    # ---- pass 4 (L2 norm, several key chunks): dk = (dk_hat - k_hat (k_hat . dk_hat)) / ||k|| --------
+    # ---- last pass (L2 norm, several key chunks): dk = (dk_hat - k_hat (k_hat . dk_hat)) / ||k|| --
     if L2 and K != BK:
         tl.debug_barrier()
         for kc in range(K // BK):

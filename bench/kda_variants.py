@@ -1,0 +1,210 @@
+"""Sweep of k3 KDA kernel variants (environment switches of k3/ops/kda) on one GPU.
+
+For each variant: relative errors of o and every gradient against the float64 recurrence on a
+small input with the timing configuration's kernel specialisation (H96 D128 bf16, pre-gated g,
+qk-L2 in kernel), then fwd and fwd+bwd times at B1 T8192 H96 D128.  The variant named "default"
+also gets the no-grad forward and a per-kernel profile.  A decode sweep (tile width / warps) ends
+the run.  Prints one line per measurement (flushes), so a run cut short still reports.
+
+Usage: python bench/kda_variants.py [--variants default,st1] [--decode] [--check-T 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+VARIANTS = {
+    "default": {},
+    "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
+    "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
+    "bwdw8": {"K3_KDA_WARPS_BWD": "8"},
+    "bwdw8r": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
+    "intranocd": {"K3_KDA_CUMDOT": "0"},
+    "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
+    "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
+    "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
+}
+# (tile width or "auto", warps); "auto" = the library's choice
+DECODE = [("auto", "4")]
+DECODE_B = (1, 8, 64, 256)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def inputs(T, H=96, D=128, seed=0):
+    torch.manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
+    g = F.logsigmoid(torch.randn(1, T, H, D, device="cuda")).clamp_min(-5.0).to(torch.bfloat16).requires_grad_()
+    beta = torch.sigmoid(torch.randn(1, T, H, device="cuda")).to(torch.bfloat16).requires_grad_()
+    return [q, k, v, g, beta]
+
+
+def k3_call(x):
+    from k3.ops.kda.chunk import chunk_kda
+
+    return chunk_kda(*x, lower_bound=-5.0, use_qk_l2norm_in_kernel=True)[0]
+
+
+def reference(x):
+    from k3.ops.kda import l2norm
+    from k3.ops.kda.reference import kda_reference
+
+    d = [t.detach().double().requires_grad_() for t in x]
+    ro, _ = kda_reference(l2norm(d[0]), l2norm(d[1]), d[2], d[3], d[4], dtype=torch.float64)
+    do = torch.randn_like(ro)
+    rg = torch.autograd.grad((ro * do).sum(), d)
+    return ro.detach(), do, [t.detach() for t in rg]
+
+
+def errors(x, ref) -> dict:
+    ro, do, rg = ref
+    o = k3_call(x)
+    gr = torch.autograd.grad((o.double() * do).sum(), x)
+    e = {"o": rel(o, ro)}
+    e.update({f"d{n}": rel(a, b) for n, a, b in zip("qkvgb", gr, rg)})
+    return e
+
+
+def kernel_profile(fn, label, iters=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append((t / iters, e.key))
+    rows.sort(reverse=True)
+    log(f"  kernels of {label}: " + "; ".join(f"{n[:40]} {t:.0f}us" for t, n in rows[:8]))
+
+
+def run_variant(name, env, ref, xs, xb, do_big):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        t0 = time.time()
+        e = errors(xs, ref)
+        worst = max(e.values())
+        log(f"[{name}] {env} compile+check {time.time() - t0:.0f} s; errors " +
+            ", ".join(f"{n} {v:.2e}" for n, v in e.items()) + ("  OK" if worst < 2e-2 else "  FAILED"))
+        fwd = bench(lambda: k3_call(xb))
+        both = bench(lambda: k3_call(xb).backward(do_big))
+        line = f"[{name}] B1 T8192 H96 D128: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
+        if name == "default":
+            with torch.no_grad():
+                line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
+        log(line)
+        kernel_profile(lambda: k3_call(xb).backward(do_big), f"{name} fwd+bwd")
+    except Exception as ex:  # report and go on with the next variant
+        log(f"[{name}] {type(ex).__name__}: {str(ex)[:300]}")
+        if "illegal" in str(ex) or "CUDA error" in str(ex):
+            raise
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for t in xb:
+            t.grad = None
+
+
+def decode_sweep(Bs=DECODE_B, H=96, D=128):
+    from k3.ops.kda.recurrent import fused_recurrent_kda
+
+    src = torch.empty(2 ** 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 2 / (bench(lambda: dst.copy_(src)) * 1e-3)
+    src = dst = None
+    log(f"decode: copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    for B in Bs:
+        q, k, v = (torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        g = F.logsigmoid(torch.randn(B, 1, H, D, device="cuda")).clamp_min(-5)
+        beta = torch.rand(B, 1, H, device="cuda", dtype=torch.bfloat16)
+        pool = torch.randn(B, H, D, D, device="cuda") * 0.01
+        idx = torch.arange(B, device="cuda", dtype=torch.int32)
+        for bv, w in DECODE:
+            os.environ["K3_KDA_DEC_WARPS"] = w
+            if bv == "auto":
+                os.environ.pop("K3_KDA_DEC_BV", None)
+            else:
+                os.environ["K3_KDA_DEC_BV"] = bv
+            def fn(q=q, k=k, v=v, g=g, beta=beta, pool=pool, idx=idx):
+                return fused_recurrent_kda(q, k, v, g, beta, pool, idx, use_qk_l2norm_in_kernel=True)
+
+            for _ in range(3):
+                fn()
+            graph = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(graph):
+                fn()
+            ms = bench(graph.replay)
+            nb = 2 * B * H * D * D * 4
+            log(f"decode H{H} B{B} BV{bv} w{w}: {ms * 1e3:.1f} us, {nb / ms / 1e6:.0f} GB/s = "
+                f"{nb / ms / 1e6 / (copy_bw / 1e9) * 100:.1f}% of copy")
+        os.environ.pop("K3_KDA_DEC_BV", None)
+        os.environ.pop("K3_KDA_DEC_WARPS", None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--check-T", type=int, default=512)
+    args = ap.parse_args(argv)
+    import triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
+    t0 = time.time()
+    if args.decode:
+        decode_sweep()
+    names = [n for n in args.variants.split(",") if n]
+    if names:
+        xs = inputs(args.check_T, seed=1)
+        ref = reference(xs)
+        log(f"reference (B1 T{args.check_T} H96 D128 float64) {time.time() - t0:.0f} s")
+        xb = inputs(8192)
+        do_big = torch.randn_like(xb[2])
+        for name in names:
+            run_variant(name, VARIANTS[name], ref, xs, xb, do_big)
+            torch.cuda.empty_cache()
+    log(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
