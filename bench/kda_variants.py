@@ -37,14 +37,7 @@ DECODE = [("auto", "4")]
 DECODE_B = (1, 8, 64, 256)
 
 
-def log(*a):
-    print(*a, flush=True)
-
-
-def bench(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])[0]
+from kda import bench, kernel_profile, log  # bench/kda.py, next to this script
 
 
 def rel(a, b) -> float:
@@ -87,24 +80,6 @@ def errors(x, ref) -> dict:
     e = {"o": rel(o, ro)}
     e.update({f"d{n}": rel(a, b) for n, a, b in zip("qkvgb", gr, rg)})
     return e
-
-
-def kernel_profile(fn, label, iters=3):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t:
-            rows.append((t / iters, e.key))
-    rows.sort(reverse=True)
-    log(f"  kernels of {label}: " + "; ".join(f"{n[:40]} {t:.0f}us" for t, n in rows[:8]))
 
 
 def run_variant(name, env, ref, xs, xb, do_big):
