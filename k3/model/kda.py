@@ -86,7 +86,7 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
     Packed documents: the conv runs across document edges, then the first W-1 rows of each document
     are recomputed from their own document's taps (a few gathers), so the result is exact.
     """
-    B, T, C = x.shape
+    T, C = x.shape[1:]
     W = weight.shape[-1]
     xt = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, C, T]
     w = weight.float()

@@ -65,7 +65,7 @@ class RoutedExperts(nn.Module):
 
         Tokens are permuted into expert-sorted slots once (a gather, whose backward is a gather and a
         k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""
-        N, k = idx.shape
+        k = idx.shape[1]
         E, I = self.w1.shape[:2]
         order, inv = sort_slots(idx)
         # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
