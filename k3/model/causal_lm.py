@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.model.cache import HybridCache
@@ -72,7 +71,7 @@ class K3ForCausalLM(nn.Module):
         if labels is not None:
             if labels.shape != logits.shape[:2]:
                 raise ValueError(f"labels must be {list(logits.shape[:2])}, got {list(labels.shape)}")
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            loss = self.model.kernels.cross_entropy(logits, labels)  # fp32 CE; one fused region when compiled
         return CausalLMOutput(logits=logits, loss=loss, hidden_states=hidden)
 
     # ---- media -------------------------------------------------------------------------------------

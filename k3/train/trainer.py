@@ -16,6 +16,7 @@ import torch
 
 from k3.config import K3Config, apply_overrides, get_preset
 from k3.model.causal_lm import K3ForCausalLM
+from k3.model.compile import compile_model
 from k3.model.moe import LatentMoE
 from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
@@ -79,7 +80,9 @@ class Trainer:
         if self.par is not None:
             self.par.setup(self.model)
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        if cfg.compile:  # compiled elementwise regions; matmuls, attention and Triton KDA stay eager
+            compile_model(self.model)
+        self.forward = self.model
         geom = HeadGeometry.from_config(self.model_config.text_config)
         groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]
