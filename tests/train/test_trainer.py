@@ -18,17 +18,6 @@ MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "q_lora
          "linear_attn_config": {"num_heads": 2, "head_dim": 16}}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print"]
-    g = torch.Generator().manual_seed(0)
-    for i in range(40):
-        idx = torch.randint(0, len(words), (300,), generator=g).tolist()
-        (d / f"f{i}.py").write_text(" ".join(words[j] for j in idx) + "\n")
-    return d
-
-
 def _cfg(corpus, out, tmp_path, **kw):
     base = dict(data=str(corpus), out=str(out), max_steps=6, seed=0, deterministic=True, tokens_per_step=256,
                 stages=[Stage(64, 0.5), Stage(128, 0.5)], eval_every=3, eval_tokens=512, eval_seq_len=64,

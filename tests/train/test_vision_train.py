@@ -197,17 +197,6 @@ def test_train_config_preset_defaults_and_vision_checks():
 # end to end
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vl_corpus")
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print"]
-    g = torch.Generator().manual_seed(0)
-    for i in range(40):
-        idx = torch.randint(0, len(words), (300,), generator=g).tolist()
-        (d / f"f{i}.py").write_text(" ".join(words[j] for j in idx) + "\n")
-    return d
-
-
 def test_tiny_vl_training_smoke(corpus, tmp_path):
     from k3.train.metrics import read_metrics
     from k3.train.trainer import Trainer
