@@ -112,7 +112,8 @@ class VisionConfig:
 
 
 def tiny_vision_config(text_hidden_size: int = 256) -> VisionConfig:
-    """A CPU-sized tower (~0.15M parameters + projector) with the full-size patch/merge geometry.
+    """A CPU-sized tower (~0.12M parameters; projector ~0.13M at text hidden 256) with the full-size
+    patch/merge geometry.
 
     The position table is 16x16 (not 64x64): at hidden 64 a 64x64 table alone would be 4x the
     rest of the tower, and CPU training images are only a few patches on a side.
