@@ -115,7 +115,7 @@ def tiny_vision_config(text_hidden_size: int = 256) -> VisionConfig:
     """A CPU-sized tower (~0.12M parameters; projector ~0.13M at text hidden 256) with the full-size
     patch/merge geometry.
 
-    The position table is 16x16 (not 64x64): at hidden 64 a 64x64 table alone would be 4x the
+    The position table is 16x16 (not 64x64): at hidden 64 a 64x64 table alone would be 2.5x the
     rest of the tower, and CPU training images are only a few patches on a side.
     """
     return VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, head_dim=16,
