@@ -94,6 +94,19 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph (after one run on a side stream, as capture requires)."""
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def kernel_profile(fn, label, iters=3, top=8):
     """Per-kernel device time (us per call) of fn, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -337,15 +350,7 @@ def sec_decode(frk, copy_bw, Bs, heads):
                     fn()
                 torch.cuda.synchronize()
                 eager = bench(fn)
-                graph = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(graph):
-                    fn()
-                res[name] = (bench(graph.replay), eager)
+                res[name] = (bench(capture_graph(fn).replay), eager)
             nb = 2 * B * H * D * D * 4
             k3g, k3e = res["k3"]
             flg, fle = res.get("fla", (None, None))

@@ -37,7 +37,7 @@ DECODE = [("auto", "4")]
 DECODE_B = (1, 8, 64, 256)
 
 
-from kda import bench, kernel_profile, log  # bench/kda.py, next to this script
+from kda import bench, capture_graph, kernel_profile, log  # bench/kda.py, next to this script
 
 
 def rel(a, b) -> float:
@@ -138,15 +138,7 @@ def decode_sweep(Bs=DECODE_B, H=96, D=128):
 
             for _ in range(3):
                 fn()
-            graph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(graph):
-                fn()
-            ms = bench(graph.replay)
+            ms = bench(capture_graph(fn).replay)
             nb = 2 * B * H * D * D * 4
             log(f"decode H{H} B{B} BV{bv} w{w}: {ms * 1e3:.1f} us, {nb / ms / 1e6:.0f} GB/s = "
                 f"{nb / ms / 1e6 / (copy_bw / 1e9) * 100:.1f}% of copy")
