@@ -270,9 +270,18 @@ def test_cuda_regions_bf16(compiled):
     cands = [torch.randn(3, 1001, 256, device=dev)] + [torch.randn(3, 1001, 256, device=dev).bfloat16()
                                                       for _ in range(2)]
     wp = torch.randn(1, 256, device=dev)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        _check(lambda a, b: kern.glu(a, b, "situ", 4.0, 25.0), lambda a, b: situ_glu(a, b, 4.0, 25.0), [a, b],
-               torch.bfloat16)
-        _check(lambda x, w: kern.rms_norm(x, w, 1e-5), lambda x, w: rms_norm(x, w, 1e-5), [x, wn], torch.bfloat16)
-        _check(lambda wn, wp, *c: kern.attn_res(list(c), wn, wp, 1e-5),
-               lambda wn, wp, *c: attn_res_mix(list(c), wn, wp, 1e-5), [wn, wp, *cands], torch.bfloat16)
+    # Forward under autocast, backward outside it, as in training (`loss.backward()` after the autocast block).
+    _check(_autocast(lambda a, b: kern.glu(a, b, "situ", 4.0, 25.0)), _autocast(lambda a, b: situ_glu(a, b, 4.0, 25.0)),
+           [a, b], torch.bfloat16)
+    _check(_autocast(lambda x, w: kern.rms_norm(x, w, 1e-5)), _autocast(lambda x, w: rms_norm(x, w, 1e-5)), [x, wn],
+           torch.bfloat16)
+    _check(_autocast(lambda wn, wp, *c: kern.attn_res(list(c), wn, wp, 1e-5)),
+           _autocast(lambda wn, wp, *c: attn_res_mix(list(c), wn, wp, 1e-5)), [wn, wp, *cands], torch.bfloat16)
+
+
+def _autocast(fn):
+    """fn run under CUDA bf16 autocast."""
+    def run(*args):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(*args)
+    return run
