@@ -28,6 +28,7 @@ from k3.ops.kda.triton_common import (
     _dot,
     _exp,
     _expw,
+    _fresh,
     _ld,
     _ld_state,
     _ldc,
@@ -172,9 +173,31 @@ def _ap_bwd(dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, 
 
 
 @triton.jit
-def _ldt(ptr, row64, nr, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """Transposed fp32 [BD, 64] (channel x time) tile of one chunk of a [T, H, D] tensor."""
-    return tl.trans(_ld(ptr, row64, nr, col0, H, D, BD).to(tl.float32))
+def _ldt(ptr, rows, row64, nr, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Transposed [BD, 64] (channel x time) tile, storage dtype, of one chunk of a [T, H, D]
+    tensor; rows = the 64 token offsets (a `_fresh` copy inside loops), rows >= nr read as 0."""
+    offs = rows[None, :] * (H * D) + col0 + tl.arange(0, BD)[:, None]
+    return tl.load(ptr + row64 * D + offs, mask=(rows < nr)[None, :], other=0.0)
+
+
+@triton.jit
+def _stt(ptr, rows, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Store the transposed [BD, 64] tile x into one chunk of a [T, H, D] tensor (rows < nr)."""
+    offs = rows[None, :] * (H * D) + col0 + tl.arange(0, BD)[:, None]
+    tl.store(ptr + row64 * D + offs, _cvt(x, ptr.dtype.element_ty), mask=(rows < nr)[None, :])
+
+
+@triton.jit
+def _ldct(ptr, rows, tile, col0, D: tl.constexpr, BD: tl.constexpr):
+    """Transposed [BD, 64] tile of a chunk-major padded [NC, H, 64, D] buffer (no masks)."""
+    offs = rows[None, :] * D + col0 + tl.arange(0, BD)[:, None]
+    return tl.load(ptr + tile * (64 * D) + offs)
+
+
+@triton.jit
+def _lds(ptr, base64, ks, c0, V: tl.constexpr, BV: tl.constexpr):
+    """[len(ks), BV] tile (rows ks, columns [c0, c0 + BV)) of the row-major [K, V] state at base64."""
+    return tl.load(ptr + base64 + ks[:, None] * V + c0 + tl.arange(0, BV)[None, :])
 
 
 @triton.jit
@@ -234,9 +257,10 @@ def _kda_bwd_intra(
     rowk = tl.zeros([64], dtype=tl.float32)
     for kc in range(K // BK):
         o_c = kc * BK + tl.arange(0, BK)
-        b_q = _ldt(q, row64, nr, kc * BK, H, K, BK) * rq[None, :]
-        b_k = _ldt(k, row64, nr, kc * BK, H, K, BK) * rk[None, :]
-        graw = _ldt(g, row64, nr, kc * BK, H, K, BK)
+        rows = _fresh(o_t)  # address tiles rebuilt per iteration (registers), see _fresh
+        b_q = _ldt(q, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[None, :]
+        b_k = _ldt(k, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[None, :]
+        graw = _ldt(g, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32)
         if GATE:
             a = _exp(tl.load(A_log + i_h).to(tl.float32))
             z = a * (graw + tl.load(dt_bias + i_h * K + o_c).to(tl.float32)[:, None])
@@ -258,11 +282,13 @@ def _kda_bwd_intra(
         dxw = tl.zeros([BK, 64], dtype=tl.float32)
         dgl_s = tl.zeros([BK], dtype=tl.float32)
         for vc in range(V // BV):
-            b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
-            b_dh = _ld_state(DH, hbase, kc * BK, vc * BV, V, BK, BV)
-            dqg += _sdot(b_h, tl.trans(_ld(do, row64, nr, vc * BV, H, V, BV)), S_PREC)
-            dkg += _sdot(b_dh, tl.trans(_ldc(VN, tile, vc * BV, V, BV)), S_PREC)
-            dxw -= _sdot(b_h, tl.trans(_ldc(DR, tile, vc * BV, V, BV)), S_PREC)
+            rv = _fresh(o_t)
+            ks = kc * BK + _fresh(tl.arange(0, BK))
+            b_h = _lds(Hs, hbase, ks, vc * BV, V, BV)
+            b_dh = _lds(DH, hbase, ks, vc * BV, V, BV)
+            dqg += _sdot(b_h, _ldt(do, rv, row64, nr, vc * BV, H, V, BV), S_PREC)
+            dkg += _sdot(b_dh, _ldct(VN, rv, tile, vc * BV, V, BV), S_PREC)
+            dxw -= _sdot(b_h, _ldct(DR, rv, tile, vc * BV, V, BV), S_PREC)
             dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
         eG = _expw(G, ACC)
         dqd = scale * eG * dqg
@@ -277,22 +303,22 @@ def _kda_bwd_intra(
         # gate backward (per channel sums of this chunk for dt_bias, one scalar for A_log)
         if GATE:
             dz = tl.where(m_t[None, :], b_dg * lower_bound * sg * (1.0 - sg), 0.0)
-            _st(dg, row64, nr, kc * BK, tl.trans(dz * a), H, K, BK)
+            _stt(dg, rows, row64, nr, kc * BK, dz * a, H, K, BK)
             tl.store(ddt_part + tile * K + o_c, tl.sum(dz * a, axis=1))
             dAlog += tl.sum(tl.sum(dz * z, axis=1), axis=0)
         else:
-            _st(dg, row64, nr, kc * BK, tl.trans(b_dg), H, K, BK)
+            _stt(dg, rows, row64, nr, kc * BK, b_dg, H, K, BK)
         if L2:
             b_dq = rq[None, :] * (b_dq - b_q * rowq[None, :])
             if K == BK:  # whole rows in this chunk: project right away
                 b_dk = rk[None, :] * (b_dk - b_k * tl.sum(b_k * b_dk, axis=0)[None, :])
             else:  # keep dk_hat (fp32) until the row dot is complete
                 rowk += tl.sum(b_k * b_dk, axis=0)
-        _st(dq, row64, nr, kc * BK, tl.trans(b_dq), H, K, BK)
+        _stt(dq, rows, row64, nr, kc * BK, b_dq, H, K, BK)
         if L2 and K != BK:
-            _st(dk32, row64, nr, kc * BK, tl.trans(b_dk), H, K, BK)
+            _stt(dk32, rows, row64, nr, kc * BK, b_dk, H, K, BK)
         else:
-            _st(dk, row64, nr, kc * BK, tl.trans(b_dk), H, K, BK)
+            _stt(dk, rows, row64, nr, kc * BK, b_dk, H, K, BK)
     if GATE:
         tl.store(dA_part + tile, dAlog)
     if BSIG:
