@@ -25,12 +25,12 @@ VARIANTS = {
     "default": {},
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
     "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
+    "bwdw8": {"K3_KDA_WARPS_BWD": "8"},
+    "bwdw8r": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
     "intranocd": {"K3_KDA_CUMDOT": "0"},
     "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
-    "bwdbk32": {"K3_KDA_BK_BWD": "32"},
-    "bwdbk64": {"K3_KDA_BK_BWD": "64"},
-    "bwdw4": {"K3_KDA_WARPS_BWD": "4"},
-    "bwdr": {"K3_KDA_AP_PREC_BWD": "tf32r"},
+    "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
+    "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]

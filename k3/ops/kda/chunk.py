@@ -244,7 +244,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
             meta.cu_seqlens, meta.chunk_info, scale,
             float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=apb, S_PREC=sp,
+            AP_PREC=apb, S_PREC=sp, CUMDOT=_flag("CUMDOT_BWD", False),
             num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
         )
     else:

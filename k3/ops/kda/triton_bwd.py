@@ -24,11 +24,12 @@ import triton.language as tl
 
 from k3.ops.kda.triton_common import (
     _beta,
+    _cumdecay,
     _cvt,
     _dot,
     _exp,
     _expw,
-    _fresh,
+    _gate,
     _ld,
     _ld_state,
     _ldc,
@@ -37,9 +38,6 @@ from k3.ops.kda.triton_common import (
     _st,
     _st_state,
     _stc,
-    _tf32_round,
-    _tf32_trunc,
-    INTERPRETED,
 )
 
 
@@ -93,114 +91,6 @@ def _kda_bwd_state(
 
 
 @triton.jit
-def _split(b, PREC: tl.constexpr):
-    """(hi, lo) of an fp32 dot operand for the manual tf32x3 product of `_dotx` (hi = b rounded to
-    tf32, lo = b - hi exactly); other precisions use b alone (lo is a placeholder).  The loop-
-    invariant operands are split once, before the key loop, and stay in shared memory as the
-    tensor cores' B operands."""
-    if PREC == "tf32x3":
-        hi = _tf32_round(b)
-        return hi, b - hi
-    else:
-        return b, b
-
-
-@triton.jit
-def _dotx(a, b_hi, b_lo, PREC: tl.constexpr):
-    """a @ b with b given as `_split` (b_hi, b_lo): for "tf32x3" the three tf32 products
-    a_lo b_hi + a_hi b_lo + a_hi b_hi chained in one accumulator (small terms first, as Triton's
-    own tf32x3), else one dot."""
-    if PREC == "tf32x3":
-        a_hi = _tf32_round(a)
-        a_lo = a - a_hi
-        if INTERPRETED:  # emulate the tensor cores' truncation of the fp32 operands to tf32
-            a_lo = _tf32_trunc(a_lo)
-            b_lo = _tf32_trunc(b_lo)
-            acc = tl.dot(a_lo, b_hi, input_precision="ieee")
-            acc = tl.dot(a_hi, b_lo, acc, input_precision="ieee")
-            return tl.dot(a_hi, b_hi, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a_lo, b_hi, input_precision="tf32")
-            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-            return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    else:
-        return _dot(a, b_hi, PREC)
-
-
-@triton.jit
-def _ap_block(i: tl.constexpr, dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, rq, rk, cs,
-              PREC: tl.constexpr):
-    """Row block i of the row side and column block i of the column side (see `_ap_bwd`); returns
-    m_i [BK, 1] and rq, rk, cs updated on the times of block i."""
-    o_t = tl.arange(0, 64)
-    m = tl.sum(tl.where((o_t == 16 * i + 7)[None, :], G, 0.0), axis=1)[:, None]
-    sel = (o_t // 16 == i)[None, :]
-    kt = b_k * _exp(tl.where(o_t[None, :] < 16 * (i + 1), m - G, -1.0e30))
-    rq = tl.where(sel, _dotx(kt, dPth, dPtl, PREC), rq)
-    rk = tl.where(sel, _dotx(kt, dAth, dAtl, PREC), rk)
-    ec = _exp(tl.where(o_t[None, :] >= 16 * i, G - m, -1.0e30))
-    cs = tl.where(sel, _dotx(b_q * (scale * ec), dPh, dPl, PREC) + _dotx(b_k * bb * ec, dAh, dAl, PREC), cs)
-    return m, rq, rk, cs
-
-
-@triton.jit
-def _ap_bwd(dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, PREC: tl.constexpr):
-    """Backward of the intra-chunk matrices through the factorised exponentials, for one key chunk
-    in the transposed (key x time) orientation of `_kda_bwd_intra`.
-
-    P = tril(scale q e^G (k e^-G)^T), A = stril(beta k e^G (k e^-G)^T).  dP, dA [64 (t), 64 (s)]
-    masked to their triangles, as `_split` pairs of their transposes (dPth, dPtl), (dAth, dAtl) and
-    of themselves (dPh, dPl), (dAh, dAl).  G, b_q, b_k [BK, 64] fp32 (channel x time), bb [1, 64]
-    beta.  Returns, as [BK, 64]:
-      dq share     scale e^(G_t - m) (K~ dP^T),
-      d(beta k)    e^(G_t - m) (K~ dA^T),
-      dk share     e^(m - G_s) (scale Q~ dP + beta K~ dA)   (the column side),
-    with m the decay at the middle row of the 16-row block of the output's time index.  Each
-    product is a 2-D dot [BK, 64] x [64, 64] whose B operand (dP, dA, their transposes) is loop
-    invariant: row block i of the row side is (k e^(m_i - G)) dP^T kept on the times of block i,
-    column block j of the column side is (q e^(G - m_j)) dP kept on the times of block j.  The
-    exponents are masked to the times that can contribute (s < 16 (i + 1), t >= 16 j), which keeps
-    every factor within e^(+-40) for per-step decays >= -5 (see triton_common)."""
-    z = tl.zeros_like(G)
-    m0, rq, rk, cs = _ap_block(0, dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, z, z, z, PREC)
-    m1, rq, rk, cs = _ap_block(1, dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, rq, rk, cs, PREC)
-    m2, rq, rk, cs = _ap_block(2, dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, rq, rk, cs, PREC)
-    m3, rq, rk, cs = _ap_block(3, dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, rq, rk, cs, PREC)
-    blk = (tl.arange(0, 64) // 16)[None, :]
-    mrow = tl.where(blk == 0, m0, tl.where(blk == 1, m1, tl.where(blk == 2, m2, m3)))
-    fr = _exp(G - mrow)
-    return (scale * fr) * rq, fr * rk, _exp(mrow - G) * cs
-
-
-@triton.jit
-def _ldt(ptr, rows, row64, nr, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """Transposed [BD, 64] (channel x time) tile, storage dtype, of one chunk of a [T, H, D]
-    tensor; rows = the 64 token offsets (a `_fresh` copy inside loops), rows >= nr read as 0."""
-    offs = rows[None, :] * (H * D) + col0 + tl.arange(0, BD)[:, None]
-    return tl.load(ptr + row64 * D + offs, mask=(rows < nr)[None, :], other=0.0)
-
-
-@triton.jit
-def _stt(ptr, rows, row64, nr, col0, x, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """Store the transposed [BD, 64] tile x into one chunk of a [T, H, D] tensor (rows < nr)."""
-    offs = rows[None, :] * (H * D) + col0 + tl.arange(0, BD)[:, None]
-    tl.store(ptr + row64 * D + offs, _cvt(x, ptr.dtype.element_ty), mask=(rows < nr)[None, :])
-
-
-@triton.jit
-def _ldct(ptr, rows, tile, col0, D: tl.constexpr, BD: tl.constexpr):
-    """Transposed [BD, 64] tile of a chunk-major padded [NC, H, 64, D] buffer (no masks)."""
-    offs = rows[None, :] * D + col0 + tl.arange(0, BD)[:, None]
-    return tl.load(ptr + tile * (64 * D) + offs)
-
-
-@triton.jit
-def _lds(ptr, base64, ks, c0, V: tl.constexpr, BV: tl.constexpr):
-    """[len(ks), BV] tile (rows ks, columns [c0, c0 + BV)) of the row-major [K, V] state at base64."""
-    return tl.load(ptr + base64 + ks[:, None] * V + c0 + tl.arange(0, BV)[None, :])
-
-
-@triton.jit
 def _kda_bwd_intra(
     q, k, v, g, beta, A_log, dt_bias,
     Hs, DH, VN, DR, do, o, dk32,
@@ -209,7 +99,7 @@ def _kda_bwd_intra(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, S_PREC: tl.constexpr,
+    AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -220,9 +110,9 @@ def _kda_bwd_intra(
     tile = i_c.to(tl.int64) * H + i_h
     o_t = tl.arange(0, 64)
     o_s = tl.arange(0, 64)
+    o4 = tl.arange(0, 4)
     m_t = o_t < nr
     hbase = tile * (K * V)
-    ACC: tl.constexpr = q.dtype.element_ty == tl.float32
 
     b_b = _beta(beta, row64, m_t, H, BSIG)
     rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
@@ -242,83 +132,86 @@ def _kda_bwd_intra(
         dP += _sdot(b_do, b_vnt, S_PREC)
         dA -= _sdot(b_dr, b_vnt, S_PREC)
         db += tl.sum(b_dr.to(tl.float32) * _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32), axis=1)
-    dA = tl.where(o_t[:, None] > o_s[None, :], dA, 0.0)
-    dP = tl.where(o_t[:, None] >= o_s[None, :], dP, 0.0)
-    dPh, dPl = _split(dP, AP_PREC)
-    dAh, dAl = _split(dA, AP_PREC)
-    dPth, dPtl = _split(tl.trans(dP), AP_PREC)
-    dAth, dAtl = _split(tl.trans(dA), AP_PREC)
+    dA3 = tl.reshape(tl.where(o_t[:, None] > o_s[None, :], dA, 0.0), (4, 16, 64))
+    dP3 = tl.reshape(tl.where(o_t[:, None] >= o_s[None, :], dP, 0.0), (4, 16, 64))
+    dA3t = tl.permute(dA3, (0, 2, 1))
+    dP3t = tl.permute(dP3, (0, 2, 1))
+    cmask4 = o_s[None, :] < 16 * (o4[:, None] + 1)
 
     # ---- key pass: every key-side gradient of this key chunk ------------------------------------
-    # Transposed orientation: tiles are [BK (channel), 64 (time)], so every dot has M = BK and the
-    # loop-invariant dP / dA tiles are the B operands (shared memory, split once).
-    bb = b_b[None, :]
     dAlog = tl.sum(tl.zeros([64], dtype=tl.float32), axis=0)
     rowk = tl.zeros([64], dtype=tl.float32)
     for kc in range(K // BK):
-        o_c = kc * BK + tl.arange(0, BK)
-        rows = _fresh(o_t)  # address tiles rebuilt per iteration (registers), see _fresh
-        b_q = _ldt(q, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[None, :]
-        b_k = _ldt(k, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[None, :]
-        graw = _ldt(g, rows, row64, nr, kc * BK, H, K, BK).to(tl.float32)
-        if GATE:
-            a = _exp(tl.load(A_log + i_h).to(tl.float32))
-            z = a * (graw + tl.load(dt_bias + i_h * K + o_c).to(tl.float32)[:, None])
-            sg = 1.0 / (1.0 + _exp(-z))
-            b_g = tl.where(m_t[None, :], lower_bound * sg, 0.0)
-        else:
-            b_g = graw
-        G = tl.cumsum(b_g, axis=1)
-        # gl must be G's last time bit for bit: kg = k e^(gl - G) is exactly k there
-        gl = tl.sum(tl.where((o_t == 63)[None, :], G, 0.0), axis=1)
-        # intra-chunk A / P through the factorised 16-row blocks (first: fewest live tiles)
-        b_dq, dkbA, dkc = _ap_bwd(dPth, dPtl, dAth, dAtl, dPh, dPl, dAh, dAl, G, b_q, b_k, bb, scale, AP_PREC)
-        b_dk = dkc + bb * dkbA
-        b_dG = b_q * b_dq + b_k * (bb * dkbA - dkc)
-        db += tl.sum(dkbA * b_k, axis=0)
-        # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
-        dqg = tl.zeros([BK, 64], dtype=tl.float32)
-        dkg = tl.zeros([BK, 64], dtype=tl.float32)
-        dxw = tl.zeros([BK, 64], dtype=tl.float32)
+        b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
+        b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+        graw = _ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+        b_g = _gate(graw, A_log, dt_bias, i_h, kc * BK, m_t, lower_bound, K, BK, GATE)
+        G3, G, mid, gl = _cumdecay(b_g, BK, CUMDOT)
+        eG = _expw(G, q.dtype.element_ty == tl.float32)
+        dqg = tl.zeros([64, BK], dtype=tl.float32)
+        dkg = tl.zeros([64, BK], dtype=tl.float32)
+        dxw = tl.zeros([64, BK], dtype=tl.float32)
         dgl_s = tl.zeros([BK], dtype=tl.float32)
         for vc in range(V // BV):
-            rv = _fresh(o_t)
-            ks = kc * BK + _fresh(tl.arange(0, BK))
-            b_h = _lds(Hs, hbase, ks, vc * BV, V, BV)
-            b_dh = _lds(DH, hbase, ks, vc * BV, V, BV)
-            dqg += _sdot(b_h, _ldt(do, rv, row64, nr, vc * BV, H, V, BV), S_PREC)
-            dkg += _sdot(b_dh, _ldct(VN, rv, tile, vc * BV, V, BV), S_PREC)
-            dxw -= _sdot(b_h, _ldct(DR, rv, tile, vc * BV, V, BV), S_PREC)
+            b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
+            b_dh = _ld_state(DH, hbase, kc * BK, vc * BV, V, BK, BV)
+            b_ht = tl.trans(b_h)
+            dqg += _sdot(_ld(do, row64, nr, vc * BV, H, V, BV), b_ht, S_PREC)
+            dkg += _sdot(_ldc(VN, tile, vc * BV, V, BV), tl.trans(b_dh), S_PREC)
+            dxw -= _sdot(_ldc(DR, tile, vc * BV, V, BV), b_ht, S_PREC)
             dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-        eG = _expw(G, ACC)
-        dqd = scale * eG * dqg
-        b_dq += dqd
-        dkd = _expw(gl[:, None] - G, ACC) * dkg
-        dgl = tl.sum(b_k * dkd, axis=1) + _expw(gl, ACC) * dgl_s
-        b_dk += dkd + bb * eG * dxw
-        b_dG += b_q * dqd + b_k * (bb * eG * dxw - dkd)
-        db += tl.sum(dxw * b_k * eG, axis=0)
-        b_dG += tl.where((o_t == 63)[None, :], dgl[:, None], 0.0)
-        b_dg = tl.cumsum(b_dG, axis=1, reverse=True)
+        # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
+        b_dq = scale * eG * dqg
+        b_dG = b_q * b_dq
+        b_dk = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
+        b_dG -= b_k * b_dk
+        dgl = tl.sum(b_k * b_dk, axis=0) + _expw(gl, q.dtype.element_ty == tl.float32) * dgl_s
+        xw = b_k * b_b[:, None] * eG
+        b_dk += b_b[:, None] * eG * dxw
+        b_dG += xw * dxw
+        db += tl.sum(dxw * b_k * eG, axis=1)
+        # intra-chunk A / P through the factorised 16-row blocks
+        Fr3 = _exp(G3 - mid[:, None, :])
+        Qr3 = tl.reshape(b_q * scale, (4, 16, BK)) * Fr3
+        Kr3 = tl.reshape(b_k * b_b[:, None], (4, 16, BK)) * Fr3
+        ec4 = _exp(tl.where(cmask4[:, :, None], mid[:, None, :] - G[None, :, :], -1.0e30))
+        kc4 = b_k[None, :, :] * ec4
+        rq3 = _dot(dP3, kc4, AP_PREC)
+        rk3 = _dot(dA3, kc4, AP_PREC)
+        col4 = _dot(dP3t, Qr3, AP_PREC) + _dot(dA3t, Kr3, AP_PREC)
+        dkc = tl.sum(col4 * ec4, axis=0)
+        Fr = tl.reshape(Fr3, (64, BK))
+        dqP = scale * Fr * tl.reshape(rq3, (64, BK))
+        dkbA = Fr * tl.reshape(rk3, (64, BK))
+        b_dq += dqP
+        b_dG += b_q * dqP + (b_k * b_b[:, None]) * dkbA - b_k * dkc
+        b_dk += dkc + b_b[:, None] * dkbA
+        db += tl.sum(dkbA * b_k, axis=1)
+        b_dG += tl.where((o_t == 63)[:, None], dgl[None, :], 0.0)
+        b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
         # gate backward (per channel sums of this chunk for dt_bias, one scalar for A_log)
         if GATE:
-            dz = tl.where(m_t[None, :], b_dg * lower_bound * sg * (1.0 - sg), 0.0)
-            _stt(dg, rows, row64, nr, kc * BK, dz * a, H, K, BK)
-            tl.store(ddt_part + tile * K + o_c, tl.sum(dz * a, axis=1))
+            a = _exp(tl.load(A_log + i_h).to(tl.float32))
+            bias = tl.load(dt_bias + i_h * K + kc * BK + tl.arange(0, BK)).to(tl.float32)
+            z = a * (graw + bias[None, :])
+            s = 1.0 / (1.0 + _exp(-z))
+            dz = tl.where(m_t[:, None], b_dg * lower_bound * s * (1.0 - s), 0.0)
+            _st(dg, row64, nr, kc * BK, dz * a, H, K, BK)
+            tl.store(ddt_part + tile * K + kc * BK + tl.arange(0, BK), tl.sum(dz * a, axis=0))
             dAlog += tl.sum(tl.sum(dz * z, axis=1), axis=0)
         else:
-            _stt(dg, rows, row64, nr, kc * BK, b_dg, H, K, BK)
+            _st(dg, row64, nr, kc * BK, b_dg, H, K, BK)
         if L2:
-            b_dq = rq[None, :] * (b_dq - b_q * rowq[None, :])
+            b_dq = rq[:, None] * (b_dq - b_q * rowq[:, None])
             if K == BK:  # whole rows in this chunk: project right away
-                b_dk = rk[None, :] * (b_dk - b_k * tl.sum(b_k * b_dk, axis=0)[None, :])
+                b_dk = rk[:, None] * (b_dk - b_k * tl.sum(b_k * b_dk, axis=1)[:, None])
             else:  # keep dk_hat (fp32) until the row dot is complete
-                rowk += tl.sum(b_k * b_dk, axis=0)
-        _stt(dq, rows, row64, nr, kc * BK, b_dq, H, K, BK)
+                rowk += tl.sum(b_k * b_dk, axis=1)
+        _st(dq, row64, nr, kc * BK, b_dq, H, K, BK)
         if L2 and K != BK:
-            _stt(dk32, rows, row64, nr, kc * BK, b_dk, H, K, BK)
+            _st(dk32, row64, nr, kc * BK, b_dk, H, K, BK)
         else:
-            _stt(dk, rows, row64, nr, kc * BK, b_dk, H, K, BK)
+            _st(dk, row64, nr, kc * BK, b_dk, H, K, BK)
     if GATE:
         tl.store(dA_part + tile, dAlog)
     if BSIG:

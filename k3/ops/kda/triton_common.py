@@ -77,21 +77,6 @@ def _exp2(y):
 
 
 @triton.jit
-def _fresh(x):
-    """An opaque copy of the int32 tensor x (one mov per element, not foldable, not hoistable).
-
-    Tiles of addresses and masks built from it inside a loop are rebuilt at every iteration
-    instead of being hoisted out by loop-invariant code motion, where each 64 x 64 tile of 64-bit
-    pointers would hold 32 registers per thread for the whole loop (the backward intra kernel
-    spilled because of them)."""
-    if INTERPRETED:
-        return x
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False,
-                                         pack=1)
-
-
-@triton.jit
 def _cvt(x, dt: tl.constexpr):
     """x converted to dt, rounding to nearest even (as the GPU does) also under the interpreter."""
     if INTERPRETED:
