@@ -38,6 +38,9 @@ from k3.ops.kda.triton_common import (
     _st,
     _st_state,
     _stc,
+    _tf32_round,
+    _tf32_trunc,
+    INTERPRETED,
 )
 
 
@@ -91,7 +94,211 @@ def _kda_bwd_state(
 
 
 @triton.jit
+def _split(a, PREC: tl.constexpr):
+    """(hi, lo) of a loop-invariant fp32 dot operand for the manual tf32x3 product of `_dotx`
+    (hi = a rounded to tf32, lo = a - hi exactly), split once before the key loop instead of at
+    every dot; other precisions use a alone (lo is a placeholder)."""
+    if PREC == "tf32x3":
+        hi = _tf32_round(a)
+        return hi, a - hi
+    else:
+        return a, a
+
+
+@triton.jit
+def _dotx(a_hi, a_lo, b, PREC: tl.constexpr):
+    """a @ b with a given as `_split` (a_hi, a_lo): for "tf32x3" the three tf32 products
+    a_lo b_hi + a_hi b_lo + a_hi b_hi chained in one accumulator (small terms first, as Triton's
+    own tf32x3), else one dot at PREC."""
+    if PREC == "tf32x3":
+        b_hi = _tf32_round(b)
+        b_lo = b - b_hi
+        if INTERPRETED:  # emulate the tensor cores' truncation of the fp32 operands to tf32
+            acc = tl.dot(_tf32_trunc(a_lo), b_hi, input_precision="ieee")
+            acc = tl.dot(a_hi, _tf32_trunc(b_lo), acc, input_precision="ieee")
+            return tl.dot(a_hi, b_hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a_lo, b_hi, input_precision="tf32")
+            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+            return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    else:
+        return _dot(a_hi, b, PREC)
+
+
+@triton.jit
+def _ap_block(i: tl.constexpr, dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, rq, rk, cs,
+              PREC: tl.constexpr):
+    """Row block i of the row side and column block i of the column side (see `_ap_bwd`): returns
+    m_i [1, BK] and rq, rk, cs updated on the rows of block i."""
+    o_t = tl.arange(0, 64)
+    m = tl.sum(tl.where((o_t == 16 * i + 7)[:, None], G, 0.0), axis=0)[None, :]
+    sel = (o_t // 16 == i)[:, None]
+    kt = b_k * _exp(tl.where(o_t[:, None] < 16 * (i + 1), m - G, -1.0e30))
+    rq = tl.where(sel, _dotx(dPh, dPl, kt, PREC), rq)
+    rk = tl.where(sel, _dotx(dAh, dAl, kt, PREC), rk)
+    ec = _exp(tl.where(o_t[:, None] >= 16 * i, G - m, -1.0e30))
+    cs = tl.where(sel, _dotx(dPth, dPtl, b_q * (scale * ec), PREC) + _dotx(dAth, dAtl, kb * ec, PREC), cs)
+    return m, rq, rk, cs
+
+
+@triton.jit
+def _ap_bwd(dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, PREC: tl.constexpr):
+    """Backward of the intra-chunk matrices through the factorised exponentials, one key chunk.
+
+    P = tril(scale q e^G (k e^-G)^T), A = stril(kb e^G (k e^-G)^T) with kb = beta k.  dP, dA
+    [64 (t), 64 (s)] masked to their triangles, given with their transposes as `_split` pairs;
+    G, b_q, b_k, kb [64, BK] fp32.  Returns, as [64, BK]:
+      dq share     scale e^(G_t - m) (dP K~),
+      d(beta k)    e^(G_t - m) (dA K~),
+      dk share     e^(m - G_s) (dP^T scale Q~ + dA^T B~)   (the column side),
+    with m the decay at the middle row of the output row's 16-row block.  Every product is a 2-D
+    [64, 64] x [64, BK] dot (M = 64, one accumulator layout, no batched 3-D tensors) with the
+    loop-invariant dP / dA as the A operand: row block i of the row side is dP (k e^(m_i - G)) kept
+    on the rows of block i, column block j of the column side is dP^T (q e^(G - m_j)) kept on the
+    rows of block j.  The exponents are masked to the rows that can contribute (s < 16 (i + 1),
+    t >= 16 j), which keeps every factor within e^(+-40) for per-step decays >= -5."""
+    z = tl.zeros_like(G)
+    m0, rq, rk, cs = _ap_block(0, dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, z, z, z, PREC)
+    m1, rq, rk, cs = _ap_block(1, dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, rq, rk, cs,
+                               PREC)
+    m2, rq, rk, cs = _ap_block(2, dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, rq, rk, cs,
+                               PREC)
+    m3, rq, rk, cs = _ap_block(3, dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, rq, rk, cs,
+                               PREC)
+    blk = (tl.arange(0, 64) // 16)[:, None]
+    mrow = tl.where(blk == 0, m0, tl.where(blk == 1, m1, tl.where(blk == 2, m2, m3)))
+    fr = _exp(G - mrow)
+    return (scale * fr) * rq, fr * rk, _exp(mrow - G) * cs
+
+
+@triton.jit
 def _kda_bwd_intra(
+    q, k, v, g, beta, A_log, dt_bias,
+    Hs, DH, VN, DR, do, o, dk32,
+    dq, dk, dg, dbeta, dA_part, ddt_part,
+    cu_seqlens, chunk_info,
+    scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
+    AP_PREC: tl.constexpr, S_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_info + 2 * i_c)
+    start = tl.load(chunk_info + 2 * i_c + 1)
+    nr = tl.load(cu_seqlens + i_n + 1) - start
+    row64 = start.to(tl.int64) * H + i_h
+    tile = i_c.to(tl.int64) * H + i_h
+    o_t = tl.arange(0, 64)
+    o_s = tl.arange(0, 64)
+    m_t = o_t < nr
+    hbase = tile * (K * V)
+
+    b_b = _beta(beta, row64, m_t, H, BSIG)
+    rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
+
+    # ---- value pass: dP = dO Vn^T, dA = -dR Vn^T, beta's share through beta v ------------------
+    dP = tl.zeros([64, 64], dtype=tl.float32)
+    dA = tl.zeros([64, 64], dtype=tl.float32)
+    db = tl.zeros([64], dtype=tl.float32)
+    rowq = tl.zeros([64], dtype=tl.float32)
+    for vc in range(V // BV):
+        b_do = _ld(do, row64, nr, vc * BV, H, V, BV)
+        if L2:  # q_hat . dq_hat = dO . O  (O is linear in q_hat)
+            rowq += tl.sum(b_do.to(tl.float32) * _ld(o, row64, nr, vc * BV, H, V, BV).to(tl.float32), axis=1)
+        b_vn = _ldc(VN, tile, vc * BV, V, BV)
+        b_dr = _ldc(DR, tile, vc * BV, V, BV)
+        b_vnt = tl.trans(b_vn)
+        dP += _sdot(b_do, b_vnt, S_PREC)
+        dA -= _sdot(b_dr, b_vnt, S_PREC)
+        db += tl.sum(b_dr.to(tl.float32) * _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32), axis=1)
+    dA = tl.where(o_t[:, None] > o_s[None, :], dA, 0.0)
+    dP = tl.where(o_t[:, None] >= o_s[None, :], dP, 0.0)
+    dPh, dPl = _split(dP, AP_PREC)
+    dAh, dAl = _split(dA, AP_PREC)
+    dPth, dPtl = _split(tl.trans(dP), AP_PREC)
+    dAth, dAtl = _split(tl.trans(dA), AP_PREC)
+
+    # ---- key pass: every key-side gradient of this key chunk ------------------------------------
+    dAlog = tl.sum(tl.zeros([64], dtype=tl.float32), axis=0)
+    rowk = tl.zeros([64], dtype=tl.float32)
+    for kc in range(K // BK):
+        b_q = _ld(q, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rq[:, None]
+        b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+        graw = _ld(g, row64, nr, kc * BK, H, K, BK).to(tl.float32)
+        b_g = _gate(graw, A_log, dt_bias, i_h, kc * BK, m_t, lower_bound, K, BK, GATE)
+        G = tl.cumsum(b_g, axis=0)
+        # gl must be G's last row bit for bit: kg = k e^(gl - G) is exactly k there
+        gl = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), axis=0)
+        # intra-chunk A / P through the factorised 16-row blocks (first: fewer tiles live)
+        kb = b_k * b_b[:, None]
+        b_dq, dkbA, dkc = _ap_bwd(dPh, dPl, dAh, dAl, dPth, dPtl, dAth, dAtl, G, b_q, b_k, kb, scale, AP_PREC)
+        b_dk = dkc + b_b[:, None] * dkbA
+        b_dG = b_q * b_dq + kb * dkbA - b_k * dkc
+        db += tl.sum(dkbA * b_k, axis=1)
+        # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
+        dqg = tl.zeros([64, BK], dtype=tl.float32)
+        dkg = tl.zeros([64, BK], dtype=tl.float32)
+        dxw = tl.zeros([64, BK], dtype=tl.float32)
+        dgl_s = tl.zeros([BK], dtype=tl.float32)
+        for vc in range(V // BV):
+            b_h = _ld_state(Hs, hbase, kc * BK, vc * BV, V, BK, BV)
+            b_dh = _ld_state(DH, hbase, kc * BK, vc * BV, V, BK, BV)
+            b_ht = tl.trans(b_h)
+            dqg += _sdot(_ld(do, row64, nr, vc * BV, H, V, BV), b_ht, S_PREC)
+            dkg += _sdot(_ldc(VN, tile, vc * BV, V, BV), tl.trans(b_dh), S_PREC)
+            dxw -= _sdot(_ldc(DR, tile, vc * BV, V, BV), b_ht, S_PREC)
+            dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+        eG = _expw(G, q.dtype.element_ty == tl.float32)
+        dqd = scale * eG * dqg
+        dkd = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
+        dgl = tl.sum(b_k * dkd, axis=0) + _expw(gl, q.dtype.element_ty == tl.float32) * dgl_s
+        b_dq += dqd
+        b_dk += dkd + b_b[:, None] * eG * dxw
+        b_dG += b_q * dqd + b_k * (b_b[:, None] * eG * dxw - dkd)
+        db += tl.sum(dxw * b_k * eG, axis=1)
+        b_dG += tl.where((o_t == 63)[:, None], dgl[None, :], 0.0)
+        b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
+        # gate backward (per channel sums of this chunk for dt_bias, one scalar for A_log)
+        if GATE:
+            a = _exp(tl.load(A_log + i_h).to(tl.float32))
+            bias = tl.load(dt_bias + i_h * K + kc * BK + tl.arange(0, BK)).to(tl.float32)
+            z = a * (graw + bias[None, :])
+            s = 1.0 / (1.0 + _exp(-z))
+            dz = tl.where(m_t[:, None], b_dg * lower_bound * s * (1.0 - s), 0.0)
+            _st(dg, row64, nr, kc * BK, dz * a, H, K, BK)
+            tl.store(ddt_part + tile * K + kc * BK + tl.arange(0, BK), tl.sum(dz * a, axis=0))
+            dAlog += tl.sum(tl.sum(dz * z, axis=1), axis=0)
+        else:
+            _st(dg, row64, nr, kc * BK, b_dg, H, K, BK)
+        if L2:
+            b_dq = rq[:, None] * (b_dq - b_q * rowq[:, None])
+            if K == BK:  # whole rows in this chunk: project right away
+                b_dk = rk[:, None] * (b_dk - b_k * tl.sum(b_k * b_dk, axis=1)[:, None])
+            else:  # keep dk_hat (fp32) until the row dot is complete
+                rowk += tl.sum(b_k * b_dk, axis=1)
+        _st(dq, row64, nr, kc * BK, b_dq, H, K, BK)
+        if L2 and K != BK:
+            _st(dk32, row64, nr, kc * BK, b_dk, H, K, BK)
+        else:
+            _st(dk, row64, nr, kc * BK, b_dk, H, K, BK)
+    if GATE:
+        tl.store(dA_part + tile, dAlog)
+    if BSIG:
+        db = db * b_b * (1.0 - b_b)
+    tl.store(dbeta + row64 + o_t.to(tl.int64) * H, _cvt(db, dbeta.dtype.element_ty), mask=m_t)
+
+    # ---- last pass (L2 norm, several key chunks): dk = (dk_hat - k_hat (k_hat . dk_hat)) / ||k|| --
+    if L2 and K != BK:
+        tl.debug_barrier()
+        for kc in range(K // BK):
+            b_k = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+            dkh = _ld(dk32, row64, nr, kc * BK, H, K, BK)
+            _st(dk, row64, nr, kc * BK, rk[:, None] * (dkh - b_k * rowk[:, None]), H, K, BK)
+
+
+@triton.jit
+def _kda_bwd_intra_3d(
     q, k, v, g, beta, A_log, dt_bias,
     Hs, DH, VN, DR, do, o, dk32,
     dq, dk, dg, dbeta, dA_part, ddt_part,
