@@ -30,9 +30,7 @@ VARIANTS = {
     "intranocd": {"K3_KDA_CUMDOT": "0"},
     "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
     "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
-    "bwd3d": {"K3_KDA_BWD_3D": "1"},
-    "bwdbk32": {"K3_KDA_BK_BWD": "32"},
-    "bwdr": {"K3_KDA_AP_PREC_BWD": "tf32r"},
+    "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]

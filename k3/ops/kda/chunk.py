@@ -40,7 +40,7 @@ import os
 import torch
 import triton
 
-from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_intra_3d, _kda_bwd_state
+from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.validate import check_kda_shapes
 
@@ -235,23 +235,18 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dbeta = torch.empty_like(beta)
     dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
-    old3d = _flag("BWD_3D", False)  # A/B against the previous kernel (development only)
     bk = _tile("BK_BWD", 16, K)
     dk32 = torch.empty(B * T, H, K, device=dev, dtype=torch.float32) if (l2 and bk < K) else dummy
     if NC > 0:
-        args = (q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-                Hs, DH, VN, DR, do, o, dk32, dq, dk, dg, dbeta, dA_part, ddt_part,
-                meta.cu_seqlens, meta.chunk_info, scale, float(lower_bound if lower_bound is not None else 0.0))
-        if old3d:
-            _kda_bwd_intra_3d[(NC, H)](
-                *args, H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-                AP_PREC=apb, S_PREC=sp, CUMDOT=False, num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
-            )
-        else:
-            _kda_bwd_intra[(NC, H)](
-                *args, H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-                AP_PREC=apb, S_PREC=sp, num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
-            )
+        _kda_bwd_intra[(NC, H)](
+            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
+            Hs, DH, VN, DR, do, o, dk32, dq, dk, dg, dbeta, dA_part, ddt_part,
+            meta.cu_seqlens, meta.chunk_info, scale,
+            float(lower_bound if lower_bound is not None else 0.0),
+            H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
+            AP_PREC=apb, S_PREC=sp, CUMDOT=_flag("CUMDOT_BWD", False),
+            num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
+        )
     else:
         for t in (dq, dk, dg, dbeta):
             t.zero_()
