@@ -25,8 +25,9 @@ Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_K
 K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
 widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
-/ H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one hits an
-illegal address on Triton 3.6 / H200).  Measured effects are in docs/kda_kernels.md.
+/ H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
+8 warps becomes a tf32 wgmma with N = 8 per warpgroup, which Triton 3.6 mis-pads: illegal address on
+the H200, triton-lang/triton#10629).  Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
