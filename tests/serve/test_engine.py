@@ -91,6 +91,31 @@ def test_prefix_hit_output_identical_to_cold(make_engine, tokenizer):
     _no_leak(eng)
 
 
+def test_agent_turn_resumes_with_one_prefill_chunk(make_engine, tokenizer):
+    """Turn 2 = turn 1's prompt + answer + closing <|end_of_msg|> + a tool message + a generation
+    prompt: it resumes at turn 1's final state and prefills the new messages in ONE forward (the
+    message end 2 tokens after the resume point gets no chunk of its own), with cold-run output."""
+    rng = random.Random(11)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng = make_engine(checkpoint_min_gap=4, short_prefill_budget=64, long_prefill_budget=64)
+    first = _conversation(rng, tokenizer, 2, 12)
+    answer = eng.generate([first], params)[0].token_ids
+    second = first + answer + [tokenizer.eos_id] + random_prompt(rng, 20, tokenizer.base_size) + [tokenizer.eos_id, 5]
+    chunks = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        chunks.extend(n for _, n in plan.prefill)
+        return plan
+
+    eng.scheduler.schedule = spy
+    out = eng.generate([second], params)[0]
+    assert out.cached_tokens == len(first) + len(answer) - 1
+    assert chunks == [len(second) - 1 - out.cached_tokens]  # one chunk up to the last prompt position
+    assert out.token_ids == _cold(make_engine, [second], params)[0]
+
+
 def test_concurrent_requests_wait_for_a_prefix_being_computed(make_engine, tokenizer):
     """Requests arriving together with one system prompt: the first computes it, the others are admitted
     once its checkpoint exists (instead of all computing the same prefix at once)."""
