@@ -84,6 +84,11 @@ def test_many_heads_fp16_int32_indices_and_long_page():
                                rtol=TOL[torch.float32], atol=TOL[torch.float32])
 
 
+def test_page_size_not_a_power_of_two_and_no_rope_part():
+    check(make_case([5, 30, 0], r=20, rope=8, page=12, dtype=torch.bfloat16), num_splits=3)
+    check(make_case([5, 30], rope=0, page=12), num_splits=2)  # qk_rope_head_dim may be 0
+
+
 def test_bf16_query_and_large_scores():
     q_lat, q_pe, cache, tables, lens = make_case([30, 17], dtype=torch.bfloat16, seed=3)
     check((q_lat.bfloat16() * 4, q_pe * 4, cache, tables, lens), scale=0.5, num_splits=2, tol=5e-2)
