@@ -218,6 +218,9 @@ class Scheduler:
             req.pages = []
         req.slot, req.num_computed, req.shared_pages = slot, start, len(req.pages)
         c = self.cfg
+        # long / short by the tokens left to compute: an agent's 50K-token context with a cached prefix
+        # is a short prefill, and must neither count against max_long_running nor use the long budget
+        req.long = len(req.tokens) - start > c.long_prompt_threshold
         extra = req.extra_checkpoints if self.prefix is not None else ()
         req.plan = CheckpointPlan.build(
             req.tokens, start, boundary_id=c.checkpoint_boundary_id if self.prefix is not None else None,
@@ -281,7 +284,8 @@ class Scheduler:
             for req in list(q):
                 if len(self.running) >= c.max_running or budget[False] + budget[True] <= 0:
                     return True
-                if is_long and sum(r.long for r in self.running) >= c.max_long_running:
+                if (is_long and sum(r.long for r in self.running) >= c.max_long_running
+                        and not self._short_after_hit(req)):
                     break
                 if req.paused or self._defer(req):
                     continue  # paused: waits until resumed; deferred: its prefix is being computed
@@ -304,6 +308,13 @@ class Scheduler:
                 self._take(budget, req, n)
                 self._record_hit(req)
         return True
+
+    def _short_after_hit(self, req: Request) -> bool:
+        """A long prompt whose prefix is cached may leave at most `long_prompt_threshold` tokens to compute."""
+        if self.prefix is None:
+            return False
+        hit = self.prefix.lookup(req.hasher, len(req.tokens) - 1)
+        return hit is not None and len(req.tokens) - hit.pos <= self.cfg.long_prompt_threshold
 
     def _defer(self, req: Request) -> bool:
         """True when a running request is about to checkpoint a longer prefix of `req` than the cache

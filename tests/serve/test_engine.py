@@ -174,6 +174,34 @@ def test_short_requests_are_not_starved_by_long_prompts(make_engine, tokenizer):
     assert sum(eng.requests[r].num_computed for r in longs) >= sum(progress.values()) + 2 * 16  # longs kept going
 
 
+def test_long_prompts_with_a_cached_prefix_run_as_short_ones(make_engine, tokenizer):
+    """Long / short is decided by the tokens left to compute after the prefix hit: two 90-token
+    prompts extending a cached 80-token conversation run together although max_long_running is 1."""
+    rng = random.Random(12)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng = make_engine(long_prompt_threshold=40, max_running=4, max_long_running=1, short_prefill_budget=32,
+                      long_prefill_budget=32)
+    base = _conversation(rng, tokenizer, 4, 19)
+    eng.generate([base], params)
+    prompts = [base + random_prompt(rng, 10, tokenizer.base_size) for _ in range(2)]
+    ids = [eng.add_request(p, params) for p in prompts]
+    assert all(eng.requests[r].long for r in ids)  # by total length, at submission
+    eng.step()
+    running = [eng.requests[r] for r in ids]
+    assert all(r.status == "running" and not r.long for r in running)  # both admitted in one step
+    assert all(r.num_computed >= len(base) - 1 for r in running)
+    got = {r: [] for r in ids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[r] for r in ids] == _cold(make_engine, prompts, params)
+    long_cold = make_engine(long_prompt_threshold=40, max_long_running=1, max_running=4, enable_prefix_cache=False)
+    for p in prompts:  # without a cache they stay long: only one runs at a time
+        long_cold.add_request(p, params)
+    long_cold.step()
+    assert len(long_cold.scheduler.running) == 1
+
+
 def test_abort_frees_the_cache(make_engine, tokenizer):
     rng = random.Random(5)
     eng = make_engine(enable_prefix_cache=False)
