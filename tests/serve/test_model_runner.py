@@ -398,3 +398,20 @@ def test_engine_graphs_on_equals_off_and_captures_once_per_bucket():
     eng.generate(prompts, params)  # the same schedule again: replays only
     assert runner.num_captures == len(used)
     assert runner.warmup(8, 7, 90 + 24) == len(runner.buckets_for(8, 7, 114)) - len(used)  # only the missing
+
+
+@pytest.mark.gpu
+def test_engine_paged_mla_kernel_equals_gather_on_cuda_fp32():
+    """Greedy engine outputs on CUDA in fp32: the paged kernel (static and dynamic decode paths, exact
+    fp32 dots) against the gather + dense path; a 300-token prompt spans many pages and splits."""
+    model = _gpu_model(k3_tiny(), torch.float32)
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, n, 4000) for n in (12, 300, 7, 75)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cfg = dict(memory_budget_bytes=256 << 20, page_size=16, unit_size=16, max_running=4, max_model_len=4096)
+    ref = [o.token_ids for o in Engine(model, None, EngineConfig(paged_mla_decode=False, **cfg)).generate(
+        prompts, params)]
+    for static in (True, False):
+        eng = Engine(model, None, EngineConfig(static_decode=static, paged_mla_decode=True, **cfg))
+        assert eng.paged_mla and (eng.runner is not None) == static
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref
