@@ -238,16 +238,18 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Decode every running request that has one pending token; then prefill chunks: running
         requests within their class budget (oldest first), newly admitted requests (short ones first;
-        a request is admitted only together with pages for its first chunk), and finally whatever
-        budget either class left goes to running requests that got no chunk yet."""
+        a request is admitted only together with pages for its first chunk), then whatever budget
+        either class left goes to running requests that got no chunk yet, and what is still left
+        extends the chunks planned (`_top_up`)."""
         plan = StepPlan()
         self._schedule_decode(plan)
         budget = {False: self.cfg.short_prefill_budget, True: self.cfg.long_prefill_budget}
         running = sorted((r for r in self.running if not r.paused and r.pending >= 2),
                          key=lambda r: (r.long, r.admit_seq))
         done: set[int] = set()
-        if self._prefill_pass(plan, running, budget, done, pooled=False) and self._admit_pass(plan, budget):
-            self._prefill_pass(plan, running, budget, done, pooled=True)
+        if (self._prefill_pass(plan, running, budget, done, pooled=False) and self._admit_pass(plan, budget)
+                and self._prefill_pass(plan, running, budget, done, pooled=True)):
+            self._top_up(plan, budget)
         if plan.empty:
             self._unblock(plan)
         return plan
@@ -275,6 +277,24 @@ class Scheduler:
             done.add(id(req))
             self._take(budget, req, n)
         return True
+
+    def _top_up(self, plan: StepPlan, budget: dict[bool, int]) -> None:
+        """Extend this step's chunks (in plan order) with whatever budget both classes left: a chunk
+        cut short by its class budget would otherwise cost another forward for its remainder (e.g.
+        the last of 8 agent turns admitted together)."""
+        for i, (req, n) in enumerate(plan.prefill):
+            left = budget[False] + budget[True]
+            if left <= 0:
+                return
+            m = self._chunk(req, n + left)
+            if m <= n:
+                continue
+            try:
+                self._ensure_pages(req, req.num_computed + m)
+            except OutOfBlocks:
+                return
+            plan.prefill[i] = (req, m)
+            self._take(budget, req, m - n)
 
     def _admit_pass(self, plan: StepPlan, budget: dict[bool, int]) -> bool:
         """Admit waiting requests (short queue first) with a first chunk from their class budget, or

@@ -174,6 +174,29 @@ def test_short_requests_are_not_starved_by_long_prompts(make_engine, tokenizer):
     assert sum(eng.requests[r].num_computed for r in longs) >= sum(progress.values()) + 2 * 16  # longs kept going
 
 
+def test_leftover_budget_extends_chunks_instead_of_leaving_a_remainder(make_engine, tokenizer):
+    """Three new short prompts of 12 tokens, budgets 16 (short) + 24 (long): the second one's chunk is
+    cut to the 4 tokens left of the short budget, the third takes the long budget; without the top-up
+    the second one's 8-token remainder costs another forward, with it the long budget's leftover
+    completes the chunk and all three prefill in one forward."""
+    rng = random.Random(13)
+    eng = make_engine(short_prefill_budget=16, long_prefill_budget=24, long_prompt_threshold=64,
+                      enable_prefix_cache=False)
+    prompts = [random_prompt(rng, 12, tokenizer.base_size) for _ in range(3)]
+    chunks = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        chunks.append([n for _, n in plan.prefill])
+        return plan
+
+    eng.scheduler.schedule = spy
+    outs = eng.generate(prompts, GREEDY)
+    assert chunks[0] == [12, 12, 12] and not any(chunks[1:])  # then decode steps only
+    assert [o.token_ids for o in outs] == _cold(make_engine, prompts)
+
+
 def test_long_prompts_with_a_cached_prefix_run_as_short_ones(make_engine, tokenizer):
     """Long / short is decided by the tokens left to compute after the prefix hit: two 90-token
     prompts extending a cached 80-token conversation run together although max_long_running is 1."""
