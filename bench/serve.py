@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from k3.config import get_preset  # noqa: E402
 from k3.model.causal_lm import K3ForCausalLM  # noqa: E402
+from k3.model.compile import compile_model  # noqa: E402
 from k3.serve.engine import Engine, EngineConfig  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-budget", type=int, default=None)
     p.add_argument("--kda-backend", default=None)
     p.add_argument("--no-cuda-graphs", action="store_true", help="agentic / gsp: decode eagerly")
+    p.add_argument("--compile", action="store_true", help="compiled elementwise regions (k3.model.compile)")
     p.add_argument("--cuda-graph-max-len", type=int, default=32768)
     p.add_argument("--mla-decode", default="auto", choices=("auto", "paged", "gather"),
                    help="decode MLA attention: the paged kernel (auto = on CUDA) or gather + dense")
@@ -310,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.manual_seed(args.seed)
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed).to_dtype(dtype).to(device)
+    if args.compile:
+        compile_model(model)
     cfg = model.config
     vocab, eos = cfg.text_config.vocab_size - 256, cfg.eos_token_id
     meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                preset=args.preset, dtype=dtype, mla_decode=args.mla_decode)
+                preset=args.preset, dtype=dtype, compiled=args.compile, mla_decode=args.mla_decode)
     rows, t_start = [], time.perf_counter()
     if any(w != "decode" for w in args.which.split(",")):
         warm_up(model, args, vocab, eos)

@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs)")
     p.add_argument("--cuda-graph-max-len", type=int, default=16384,
                    help="contexts up to this many tokens decode in CUDA graphs, longer ones eagerly")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the elementwise regions (fused norms, activations, AttnRes, router); "
+                        "on CUDA the compiled kernels are captured in the decode graphs")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU serving)")
     p.add_argument("--max-image-mb", type=float, default=20.0,
                    help="largest encoded image (or video frame) accepted in a request (vision models)")
@@ -67,6 +70,10 @@ def load_model(args: argparse.Namespace):
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed)
         model.to_dtype(dtype).to(device)
         name = args.preset
+    if getattr(args, "compile", False):
+        from k3.model.compile import compile_model
+
+        compile_model(model)
     return model, tokenizer, name
 
 

@@ -12,8 +12,9 @@ eager mode, and need no graph breaks.
     compile_model(model, backend="aot_eager")   # tracing only (tests, debugging)
 
 Compilation happens lazily on the first forward/backward. Shapes that change (e.g. validation at
-another batch size) recompile once and are then treated as dynamic; serving should keep an eager
-model (decode shapes change every step).
+another batch size) recompile once and are then treated as dynamic. Serving (`k3 serve --compile`)
+uses it too: the CUDA-graph decode buckets have fixed shapes, so the compiled kernels are captured in
+the graphs.
 """
 
 from __future__ import annotations

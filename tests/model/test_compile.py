@@ -101,14 +101,20 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_compiled_equals_eager_on_cuda_bf16():
     """The training configuration of the benchmark (CUDA, bf16 autocast, fp32 master weights, Triton
     KDA) on k3-tiny: Inductor-compiled regions vs eager. bf16 rounding differs between fused and
-    unfused kernels, so losses agree to bf16 precision and gradients by direction."""
+    unfused kernels, so the losses agree to bf16 precision, and each gradient must be as close (by
+    direction) to an fp32 eager reference as the eager bf16 gradient is: small-gradient parameters
+    (router, AttnRes vectors) are bf16-noisy in both, and the compiled build must not be noisier."""
     torch.manual_seed(0)
     m = K3ForCausalLM(k3_tiny()).init_weights(seed=0).cuda().set_kda_backend("triton")
+    with torch.no_grad():  # AttnRes projections start at zero, which would make the norm-weight gradients zero
+        for n, p in m.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0.0, 0.02)
     ids = torch.randint(0, 4096, (1, 2 * 512 + 1), device="cuda")
     cu = torch.tensor([0, 300, 512, 1024], dtype=torch.int32, device="cuda")
 
-    def step() -> dict[str, torch.Tensor]:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def step(bf16: bool = True) -> dict[str, torch.Tensor]:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = m(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
         loss.backward()
         res = {"loss": loss.detach().float()}
@@ -116,10 +122,13 @@ def test_compiled_equals_eager_on_cuda_bf16():
         m.zero_grad(set_to_none=True)
         return res
 
+    ref = step(bf16=False)
     eager = step()
     compile_model(m)
     for _ in range(2):  # the second step runs the cached graphs
         compiled = step()
     assert abs(float(compiled["loss"] - eager["loss"])) < 2e-2 * float(eager["loss"])
-    bad = {n: _cosine(compiled[n], g) for n, g in eager.items() if n != "loss" and _cosine(compiled[n], g) < 0.99}
-    assert not bad, bad
+    assert set(compiled) == set(eager)
+    bad = {n: (_cosine(compiled[n], g), _cosine(eager[n], g)) for n, g in ref.items()
+           if n != "loss" and _cosine(compiled[n], g) < min(0.99, _cosine(eager[n], g) - 0.01)}
+    assert not bad, bad  # name: (cos(compiled, fp32), cos(eager bf16, fp32))
