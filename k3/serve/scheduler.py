@@ -289,10 +289,9 @@ class Scheduler:
             m = self._chunk(req, n + left)
             if m <= n:
                 continue
-            try:
-                self._ensure_pages(req, req.num_computed + m)
-            except OutOfBlocks:
-                return
+            if self.layout.pages_for(req.num_computed + m) - len(req.pages) > self.pool.num_free:
+                return  # an optional extension never evicts prefix checkpoints
+            self._ensure_pages(req, req.num_computed + m)
             plan.prefill[i] = (req, m)
             self._take(budget, req, m - n)
 
