@@ -69,6 +69,7 @@ def test_reference_is_the_absorbed_attention_of_the_model():
 
 def test_more_splits_than_tokens_and_all_padding_rows():
     check(make_case([1, 2, 9], page=4), num_splits=8)  # most spans are empty
+    check(make_case([70, 3], page=4), num_splits=65)  # 128 split slots: the merge tiles r in slices
     q_lat, q_pe, cache, tables, lens = make_case([3, 3])
     out = paged_mla_decode(q_lat, q_pe, cache, tables, torch.zeros_like(lens), 0.1, 4)
     assert torch.equal(out, torch.zeros_like(out))

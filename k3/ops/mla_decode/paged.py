@@ -113,7 +113,7 @@ def _combine_kernel(o_part, lse_part, out, num_heads, num_splits,
     b = pid // num_heads
     h = pid % num_heads
     offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # a slice of r: a small register tile
     m_s, m_r = offs_s < num_splits, offs_r < R
     idx = (b * num_splits + offs_s) * num_heads + h
     lse = tl.load(lse_part + idx, mask=m_s, other=float("-inf"))
@@ -216,6 +216,8 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     if splits == 1:
         return o_part[:, 0]
     out = torch.empty(n, h, r, dtype=torch.float32, device=q_lat.device)
-    _combine_kernel[(n * h,)](o_part, lse_part, out, h, splits, R=r,
-                              BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_R=block_r)
+    block_s = max(2, triton.next_power_of_2(splits))
+    block_rc = min(block_r, max(16, 4096 // block_s))
+    _combine_kernel[(n * h, triton.cdiv(r, block_rc))](o_part, lse_part, out, h, splits, R=r,
+                                                        BLOCK_S=block_s, BLOCK_R=block_rc)
     return out
