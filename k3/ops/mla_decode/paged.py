@@ -84,8 +84,15 @@ def _split_kernel(
         m_t = t < end
         blk = tl.load(tables + b64 * s_tn + (t // PAGE) * s_tp, mask=m_t, other=0).to(tl.int64)
         row = blk * s_cb + (t % PAGE) * s_cs
-        c = tl.load(cache + row[:, None] + offs_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
-        kp = tl.load(cache + row[:, None] + R + offs_e[None, :], mask=m_t[:, None] & m_e[None, :], other=0.0)
+        # masks constant along the row when the tile is exactly r / rope wide: 16-byte vector loads
+        if BLOCK_R == R:
+            c = tl.load(cache + row[:, None] + offs_r[None, :], mask=m_t[:, None], other=0.0)
+        else:
+            c = tl.load(cache + row[:, None] + offs_r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+        if BLOCK_E == ROPE:
+            kp = tl.load(cache + row[:, None] + R + offs_e[None, :], mask=m_t[:, None], other=0.0)
+        else:
+            kp = tl.load(cache + row[:, None] + R + offs_e[None, :], mask=m_t[:, None] & m_e[None, :], other=0.0)
         s = _dot(q, tl.trans(c), IEEE) + _dot(qp, tl.trans(kp), IEEE)
         s = tl.where(m_t[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
