@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cuda-graphs", action="store_true", help="agentic / gsp: decode eagerly")
     p.add_argument("--compile", action="store_true", help="compiled elementwise regions (k3.model.compile)")
     p.add_argument("--cuda-graph-max-len", type=int, default=32768)
+    p.add_argument("--mla-decode", default="auto", choices=("auto", "paged", "gather"),
+                   help="decode MLA attention: the paged kernel (auto = on CUDA) or gather + dense")
     # batch decode
     p.add_argument("--decode-batches", default=None, help="comma list of batch sizes")
     p.add_argument("--decode-context", type=int, default=None, help="prompt tokens per request")
@@ -192,7 +194,7 @@ def run_decode(model, args: argparse.Namespace, mode: str, tok: Tokens, eos: int
         unit_size=args.unit_size, enable_prefix_cache=False, max_running=max(batches), short_prefill_budget=budget,
         long_prefill_budget=budget, max_model_len=model.config.text_config.max_position_embeddings,
         kda_backend=args.kda_backend, cuda_graphs=mode == "graphs", static_decode=mode == "static",
-        cuda_graph_max_len=args.cuda_graph_max_len), eos_id=eos)
+        cuda_graph_max_len=args.cuda_graph_max_len, paged_mla_decode=paged_mla(args)), eos_id=eos)
     runner = engine.runner
     if mode == "graphs" and (runner is None or not runner.use_graphs):
         raise SystemExit("decode mode 'graphs' needs CUDA and bfloat16 weights")
@@ -279,7 +281,12 @@ def make_engine(model: K3ForCausalLM, args: argparse.Namespace, cache: bool, eos
         unit_size=args.unit_size, enable_prefix_cache=cache, short_prefill_budget=args.prefill_budget,
         long_prefill_budget=args.prefill_budget, long_prompt_threshold=4 * args.prefill_budget,
         max_model_len=cfg.text_config.max_position_embeddings, kda_backend=args.kda_backend,
-        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len), eos_id=eos)
+        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
+        paged_mla_decode=paged_mla(args)), eos_id=eos)
+
+
+def paged_mla(args: argparse.Namespace) -> bool | None:
+    return None if args.mla_decode == "auto" else args.mla_decode == "paged"
 
 
 def warm_up(model: K3ForCausalLM, args: argparse.Namespace, vocab: int, eos: int) -> None:
@@ -310,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     vocab, eos = cfg.text_config.vocab_size - 256, cfg.eos_token_id
     meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                preset=args.preset, dtype=dtype, compiled=args.compile)
+                preset=args.preset, dtype=dtype, compiled=args.compile, mla_decode=args.mla_decode)
     rows, t_start = [], time.perf_counter()
     if any(w != "decode" for w in args.which.split(",")):
         warm_up(model, args, vocab, eos)

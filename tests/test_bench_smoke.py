@@ -20,3 +20,11 @@ def test_bench_serve_tiny_decode_cpu():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| batch | static tok/s | eager tok/s |" in r.stdout and "\n| 2 | " in r.stdout
+
+
+def test_bench_mla_decode_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "mla_decode.py"), "--device", "cpu", "--preset", "k3-tiny",
+                        "--batches", "2", "--contexts", "20", "--lengths", "mixed", "--page-size", "8"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| 2 | 20 | mixed | " in r.stdout

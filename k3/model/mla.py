@@ -108,6 +108,10 @@ class GatedMLA(nn.Module):
     # -- attention against the latent cache -------------------------------------------------------
     def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: HybridCache) -> torch.Tensor:
         q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
+        if getattr(cache, "paged_mla", False) and q_pad.shape[1] == 1:
+            # serving decode: the kernel reads each row's valid pages in place (no gather, no padded bucket)
+            pages, tables, lens = cache.mla_write(self.layer_idx, lat_pad)
+            return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
         buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
         N, Tq = q_pad.shape[:2]
         if getattr(cache, "static_shapes", False):
@@ -130,9 +134,8 @@ class GatedMLA(nn.Module):
 
         scores_h = (q_nope_h W_uk_h) . c + q_pe_h . k_pe; out_h = (sum_s p_s c_s) W_uv_h^T. fp32 softmax.
         """
-        H, r = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight.reshape(H, self.nope + self.v_dim, r)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, r], [H, v, r]
+        r = self.kv_lora_rank
+        w_uk, w_uv = self._absorb_weights()
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         c, k_pe = lat.split([r, self.rope], dim=-1)
         q_lat = torch.einsum("nthd,hdr->nthr", q_nope.float(), w_uk.float())
@@ -142,6 +145,26 @@ class GatedMLA(nn.Module):
         p = torch.softmax(scores, dim=-1)
         o_lat = torch.einsum("nhts,nsr->nthr", p, c.float())
         return torch.einsum("nthr,hvr->nthv", o_lat, w_uv.float()).to(q.dtype)
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_uk [H, nope, r], W_uv [H, v, r] (views)."""
+        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope:]
+
+    def _absorbed_paged(self, q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
+                        lens: torch.Tensor) -> torch.Tensor:
+        """`_absorbed` for one query per row over paged latents, by the Triton kernel.
+
+        q [N, 1, H, nope+rope]; pages [num_blocks, page_size, kv_lora+rope] (one layer of the pool);
+        tables [N, P] block ids; lens [N] tokens to attend (the new one included; 0 = padding row).
+        """
+        from k3.ops.mla_decode import paged_mla_decode  # Triton: imported where it is used
+
+        w_uk, w_uv = self._absorb_weights()
+        q_nope, q_pe = q[:, 0].split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk.float())
+        o_lat = paged_mla_decode(q_lat, q_pe, pages, tables, lens, self.scale)
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv.float()).to(q.dtype)[:, None]
 
 
 def _sdpa(q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:

@@ -216,12 +216,15 @@ class PagedBatchCache:
     """
 
     def __init__(self, pool: BlockPool, page_tables: list[list[int]], slots: list[list[int]],
-                 past_lens: list[int], new_lens: list[int], *, absorb_mla: bool) -> None:
+                 past_lens: list[int], new_lens: list[int], *, absorb_mla: bool, paged_mla: bool = False) -> None:
         self.pool, self.slots = pool, slots
         self.num_seqs = len(slots)
         dev = pool.device
         self.lengths = torch.tensor(past_lens, dtype=torch.long, device=dev)
         self.absorb_mla = absorb_mla
+        # the paged kernel serves one new token per row (decode); other forwards gather
+        self.paged_mla = paged_mla and absorb_mla and all(n == 1 for n in new_lens)
+        self._attend_lens = torch.tensor([p + n for p, n in zip(past_lens, new_lens)], dtype=torch.long, device=dev)
         self.kda_state, self.conv_tail = pool.read_slots(slots) if pool.layout.kda_layers else ({}, {})
         page = pool.layout.page_size
         width = max(len(p) for p in page_tables)
@@ -244,6 +247,13 @@ class PagedBatchCache:
         g = self.pool.pages[self._tables, li]  # [N, P, page, D]
         return g.reshape(self.num_seqs, -1, g.shape[-1])
 
+    def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """new: [N, 1, D] latents -> written to the pages; returns what the paged decode kernel reads:
+        (that layer's pages [num_blocks, page, D] (a view of the pool), tables [N, P], lens [N])."""
+        li = self.pool.mla_index[layer]
+        self.pool.pages[self._blocks, li, self._offs] = new[self._valid].to(self.pool.pages.dtype)
+        return self.pool.pages[:, li], self._tables, self._attend_lens
+
     def advance(self, new_lens: torch.Tensor) -> None:
         self.lengths = self.lengths + new_lens.to(self.lengths.device)
 
@@ -261,16 +271,20 @@ class StaticDecodeCache:
     slot_index: [N, slot_blocks] long, each row's KDA slot blocks. valid: [N] bool.
     Padding rows (valid False) must have past_lens 0 and only block 0 in their page table and slot:
     their latent writes are zeros into block 0, and `commit` re-zeroes block 0 after their state write.
-    MLA attends over all P * page_size gathered rows, positions > past_lens masked.
+    paged_mla: MLA reads each row's past_lens + 1 latent rows in place with the paged decode kernel
+    (`k3.ops.mla_decode`; padding rows read nothing), so its cost follows the real lengths. Otherwise
+    (the reference path) it attends over all P * page_size gathered rows, positions > past_lens masked.
     """
 
     static_shapes = True  # read by GatedMLA / KDAttention: take the static decode path
     absorb_mla = True
 
     def __init__(self, pool: BlockPool, past_lens: torch.Tensor, page_tables: torch.Tensor,
-                 slot_index: torch.Tensor, valid: torch.Tensor) -> None:
+                 slot_index: torch.Tensor, valid: torch.Tensor, *, paged_mla: bool = False) -> None:
         self.pool, self.num_seqs = pool, past_lens.shape[0]
         self.lengths = past_lens
+        self.paged_mla = paged_mla
+        self._attend_lens = torch.where(valid, past_lens + 1, torch.zeros_like(past_lens))
         self._tables, self._valid, self._slot_index = page_tables, valid, slot_index.reshape(-1)
         self.kda_state, self.conv_tail = pool.gather_slots(self._slot_index) if pool.layout.kda_layers else ({}, {})
         page = pool.layout.page_size
@@ -279,15 +293,24 @@ class StaticDecodeCache:
 
     def mla_append(self, layer: int, new: torch.Tensor, layout) -> torch.Tensor:
         """new: [N, 1, D] latents -> written at past_lens; returns [N, P * page_size, D]."""
+        pages = self._write(layer, new)
+        g = pages[self._tables, self.pool.mla_index[layer]]  # [N, P, page, D]
+        return g.reshape(self.num_seqs, -1, g.shape[-1])
+
+    def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """new: [N, 1, D] latents -> written at past_lens; returns the paged decode kernel's inputs:
+        (that layer's pages [num_blocks, page, D], a view of the pool; tables [N, P]; lens [N])."""
+        pages = self._write(layer, new)
+        return pages[:, self.pool.mla_index[layer]], self._tables, self._attend_lens
+
+    def _write(self, layer: int, new: torch.Tensor) -> torch.Tensor:
         if new.shape[1] != 1:
             raise ValueError(f"StaticDecodeCache takes one new token per row, got {new.shape[1]}")
-        li = self.pool.mla_index[layer]
         pages = self.pool.pages
         row = torch.where(self._valid[:, None], new[:, 0].to(pages.dtype), torch.zeros((), dtype=pages.dtype,
                                                                                         device=new.device))
-        pages[self._wblock, li, self._woff] = row
-        g = pages[self._tables, li]  # [N, P, page, D]
-        return g.reshape(self.num_seqs, -1, g.shape[-1])
+        pages[self._wblock, self.pool.mla_index[layer], self._woff] = row
+        return pages
 
     def advance(self, new_lens: torch.Tensor) -> None:
         self.lengths = self.lengths + new_lens.to(self.lengths.device)

@@ -44,6 +44,8 @@ class EngineConfig:
     cuda_graphs: replay decode steps as CUDA graphs (CUDA, bf16 weights; `k3.serve.model_runner`);
     cuda_graph_max_len: contexts up to this many tokens decode in graphs, longer ones eagerly.
     static_decode: run the graphs' static-shape decode path eagerly where graphs are not used (tests).
+    paged_mla_decode: decode MLA attention by the paged Triton kernel (`k3.ops.mla_decode`), which
+    reads each row's pages in place; None = on CUDA. False = gather the pages and attend densely.
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -66,6 +68,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_len: int = 16384
     static_decode: bool = False
+    paged_mla_decode: bool | None = None
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -162,9 +165,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.metrics = EngineMetrics()
         graphs = cfg.cuda_graphs and graphs_supported(model, self.device)
+        self.paged_mla = self.device.type == "cuda" if cfg.paged_mla_decode is None else cfg.paged_mla_decode
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
-                                   use_graphs=graphs) if graphs or cfg.static_decode else None
+                                   use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -307,7 +311,7 @@ class Engine:
                 self._computed(batch)
                 return logits
         cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
-                                [r.num_computed for r in reqs], ns, absorb_mla=decode)
+                                [r.num_computed for r in reqs], ns, absorb_mla=decode, paged_mla=self.paged_mla)
         if decode:
             ids = torch.tensor([[r.tokens[r.num_computed]] for r in reqs], device=self.device)
             h, _ = self.model.model(ids, cache=cache)

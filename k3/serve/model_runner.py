@@ -5,16 +5,17 @@ A decode step of N requests is padded to a *bucket* (b, p): b rows (1, 2, 4, ...
 tensor shape is fixed, and the forward reads nothing from the host: the token ids, cached lengths,
 KDA slot blocks, page tables and a valid flag per row live in one device buffer that the runner
 fills before each step, and `StaticDecodeCache` turns them into gathers and scatters on the block
-pool (MLA attends over all p * page_size gathered latent rows with a length mask; routed experts
+pool (MLA decode attention reads each row's valid latent pages in place with the paged Triton
+kernel of `k3.ops.mla_decode`, or, on the reference path, attends over all p * page_size gathered
+latent rows with a length mask; routed experts
 use grouped GEMMs with device offsets; KDA runs the Triton recurrent kernel). On CUDA each bucket is
 captured once, lazily, as a CUDA graph and replayed afterwards; elsewhere the same static forward
 runs eagerly (the CPU tests compare it against the dynamic path).
 
 Padding rows have a zero length and point every page and slot entry at block 0, the pool's all-zero
 block: they write zeros there, and the step re-zeroes block 0 after their KDA state write, so
-padding never disturbs a live request. Pages are bucketed as well as rows because decode attention
-costs what the padded table holds: one table sized for the longest context would make every
-short-context step pay for it.
+padding never disturbs a live request. Pages are bucketed as well as rows: the gather path costs
+what the padded table holds, and the paged kernel fixes its number of sequence splits per bucket.
 
 Graphs share one memory pool; their outputs stay referenced, so one graph's replay never
 overwrites another's result, and the runner hands out a view of the logits that is valid until the
@@ -54,16 +55,19 @@ class DecodeRunner:
     max_batch: the most rows in one step (the engine's max_running); max_len: the longest context
     (cached tokens + 1) a bucketed step serves; longer ones get `None` from `decode` (run them
     eagerly). use_graphs: capture and replay CUDA graphs (CUDA only), else run the static forward
-    eagerly.
+    eagerly. paged_mla: MLA decode attention by the paged Triton kernel (None: on CUDA) instead of
+    the gather + dense reference path (CPU tensors need TRITON_INTERPRET=1 for the kernel).
     """
 
-    def __init__(self, model: Any, pool: BlockPool, *, max_batch: int, max_len: int, use_graphs: bool) -> None:
+    def __init__(self, model: Any, pool: BlockPool, *, max_batch: int, max_len: int, use_graphs: bool,
+                 paged_mla: bool | None = None) -> None:
         for name, v in (("max_batch", max_batch), ("max_len", max_len)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"DecodeRunner {name} must be a positive integer, got {v!r}")
         if use_graphs and pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA pool, got device {pool.device}")
         self.model, self.pool, self.use_graphs = model, pool, use_graphs
+        self.paged_mla = pool.device.type == "cuda" if paged_mla is None else bool(paged_mla)
         layout = pool.layout
         self.page_size, self.slot_blocks = layout.page_size, layout.slot_blocks
         self.max_pages = layout.pages_for(max_len)
@@ -134,7 +138,8 @@ class DecodeRunner:
         """The static forward of bucket (b, p) over the buffer: logits [b, vocab]."""
         io = self._io[:b]
         c = self._cols
-        cache = StaticDecodeCache(self.pool, io[:, 1], io[:, c: c + p], io[:, 3: c], io[:, 2] != 0)
+        cache = StaticDecodeCache(self.pool, io[:, 1], io[:, c: c + p], io[:, 3: c], io[:, 2] != 0,
+                                  paged_mla=self.paged_mla)
         h, _ = self.model.model(io[:, 0:1], cache=cache)
         cache.commit()
         return self.model.lm_head(h[:, -1])

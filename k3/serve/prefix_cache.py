@@ -178,18 +178,22 @@ class CheckpointPlan:
         extended prompt resumes there and recomputes one token), every message end (the position
         after each `boundary_id`) and `extra` unless within `min_gap` of the last position (which
         supersedes them), then every `every_units` units unless within `min_gap` of a kept position.
-        Of these the last `max_count` are kept (max_count 0 = none)."""
+        Message ends and interval points within `min_gap` after `start` are skipped too: the state
+        at `start` (the prefix hit, or nothing) is that close, and each planned position costs a
+        prefill forward of its own (an agent's next turn starts with the 1-2 tokens that close the
+        previous answer: no separate forward for them). Of these the last `max_count` are kept
+        (max_count 0 = none)."""
         end = len(tokens) - 1
         if end <= start:
             return CheckpointPlan([])
         bounds = {end} | {p for p in extra if start < p <= end}
         if boundary_id is not None:
             arr = np.asarray(tokens[start:end], dtype=np.int64)
-            bounds.update(int(i) + start + 1 for i in np.nonzero(arr == boundary_id)[0])
+            bounds.update(int(i) + start + 1 for i in np.nonzero(arr == boundary_id)[0] if int(i) + 1 >= min_gap)
         kept = sorted({end} | {p for p in bounds if end - p >= min_gap})
         if every_units > 0:
             step = every_units * unit
-            near = list(kept)
+            near = sorted(kept + [start])
             for p in range((start // step + 1) * step, end, step):
                 i = bisect.bisect_left(near, p)
                 gaps = [abs(near[j] - p) for j in (i - 1, i) if 0 <= j < len(near)]

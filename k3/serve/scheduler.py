@@ -218,6 +218,9 @@ class Scheduler:
             req.pages = []
         req.slot, req.num_computed, req.shared_pages = slot, start, len(req.pages)
         c = self.cfg
+        # long / short by the tokens left to compute: an agent's 50K-token context with a cached prefix
+        # is a short prefill, and must neither count against max_long_running nor use the long budget
+        req.long = len(req.tokens) - start > c.long_prompt_threshold
         extra = req.extra_checkpoints if self.prefix is not None else ()
         req.plan = CheckpointPlan.build(
             req.tokens, start, boundary_id=c.checkpoint_boundary_id if self.prefix is not None else None,
@@ -235,16 +238,18 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Decode every running request that has one pending token; then prefill chunks: running
         requests within their class budget (oldest first), newly admitted requests (short ones first;
-        a request is admitted only together with pages for its first chunk), and finally whatever
-        budget either class left goes to running requests that got no chunk yet."""
+        a request is admitted only together with pages for its first chunk), then whatever budget
+        either class left goes to running requests that got no chunk yet, and what is still left
+        extends the chunks planned (`_top_up`)."""
         plan = StepPlan()
         self._schedule_decode(plan)
         budget = {False: self.cfg.short_prefill_budget, True: self.cfg.long_prefill_budget}
         running = sorted((r for r in self.running if not r.paused and r.pending >= 2),
                          key=lambda r: (r.long, r.admit_seq))
         done: set[int] = set()
-        if self._prefill_pass(plan, running, budget, done, pooled=False) and self._admit_pass(plan, budget):
-            self._prefill_pass(plan, running, budget, done, pooled=True)
+        if (self._prefill_pass(plan, running, budget, done, pooled=False) and self._admit_pass(plan, budget)
+                and self._prefill_pass(plan, running, budget, done, pooled=True)):
+            self._top_up(plan, budget)
         if plan.empty:
             self._unblock(plan)
         return plan
@@ -273,6 +278,23 @@ class Scheduler:
             self._take(budget, req, n)
         return True
 
+    def _top_up(self, plan: StepPlan, budget: dict[bool, int]) -> None:
+        """Extend this step's chunks (in plan order) with whatever budget both classes left: a chunk
+        cut short by its class budget would otherwise cost another forward for its remainder (e.g.
+        the last of 8 agent turns admitted together)."""
+        for i, (req, n) in enumerate(plan.prefill):
+            left = budget[False] + budget[True]
+            if left <= 0:
+                return
+            m = self._chunk(req, n + left)
+            if m <= n:
+                continue
+            if self.layout.pages_for(req.num_computed + m) - len(req.pages) > self.pool.num_free:
+                return  # an optional extension never evicts prefix checkpoints
+            self._ensure_pages(req, req.num_computed + m)
+            plan.prefill[i] = (req, m)
+            self._take(budget, req, m - n)
+
     def _admit_pass(self, plan: StepPlan, budget: dict[bool, int]) -> bool:
         """Admit waiting requests (short queue first) with a first chunk from their class budget, or
         from the leftovers of both; False when memory ran out."""
@@ -281,7 +303,8 @@ class Scheduler:
             for req in list(q):
                 if len(self.running) >= c.max_running or budget[False] + budget[True] <= 0:
                     return True
-                if is_long and sum(r.long for r in self.running) >= c.max_long_running:
+                if (is_long and sum(r.long for r in self.running) >= c.max_long_running
+                        and not self._short_after_hit(req)):
                     break
                 if req.paused or self._defer(req):
                     continue  # paused: waits until resumed; deferred: its prefix is being computed
@@ -304,6 +327,13 @@ class Scheduler:
                 self._take(budget, req, n)
                 self._record_hit(req)
         return True
+
+    def _short_after_hit(self, req: Request) -> bool:
+        """A long prompt whose prefix is cached may leave at most `long_prompt_threshold` tokens to compute."""
+        if self.prefix is None:
+            return False
+        hit = self.prefix.lookup(req.hasher, len(req.tokens) - 1)
+        return hit is not None and len(req.tokens) - hit.pos <= self.cfg.long_prompt_threshold
 
     def _defer(self, req: Request) -> bool:
         """True when a running request is about to checkpoint a longer prefix of `req` than the cache

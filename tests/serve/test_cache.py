@@ -146,6 +146,22 @@ def test_checkpoint_plan_positions():
     assert plan.next_after(11) == 17 and plan.next_after(40) is None
 
 
+def test_checkpoint_plan_skips_message_ends_right_after_the_resume_point():
+    """An agent's next turn resumes at the previous answer's last token; the message end 2 tokens later
+    would cost a prefill forward of its own for a 2-token chunk: within min_gap of start, it is skipped."""
+    eos = 99
+    toks = [1] * 20 + [eos] + [2] * 30 + [eos] + [3] * 8  # message ends 21 and 52, last position 59
+    assert CheckpointPlan.build(toks, 19, boundary_id=eos, unit=4, every_units=0, max_count=10,
+                                min_gap=4).positions == [52, 59]  # 21 (2 after start) skipped
+    assert CheckpointPlan.build(toks, 17, boundary_id=eos, unit=4, every_units=0, max_count=10,
+                                min_gap=4).positions == [21, 52, 59]  # 4 after start: kept
+    # interval points (every 8) near start go as well: 24 is 5 after 19; explicit positions stay
+    assert CheckpointPlan.build(toks, 19, boundary_id=eos, unit=4, every_units=2, max_count=10,
+                                min_gap=6).positions == [32, 40, 52, 59]
+    assert CheckpointPlan.build(toks, 19, boundary_id=eos, unit=4, every_units=0, max_count=10, min_gap=6,
+                                extra=(21,)).positions == [21, 52, 59]
+
+
 def test_random_tables_write_where_expected(layout):
     """PagedBatchCache writes token t of sequence i to page t // P, row t % P of its table."""
     pool = BlockPool(layout, 3 * layout.slot_blocks + 16)

@@ -91,6 +91,31 @@ def test_prefix_hit_output_identical_to_cold(make_engine, tokenizer):
     _no_leak(eng)
 
 
+def test_agent_turn_resumes_with_one_prefill_chunk(make_engine, tokenizer):
+    """Turn 2 = turn 1's prompt + answer + closing <|end_of_msg|> + a tool message + a generation
+    prompt: it resumes at turn 1's final state and prefills the new messages in ONE forward (the
+    message end 2 tokens after the resume point gets no chunk of its own), with cold-run output."""
+    rng = random.Random(11)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng = make_engine(checkpoint_min_gap=4, short_prefill_budget=64, long_prefill_budget=64)
+    first = _conversation(rng, tokenizer, 2, 12)
+    answer = eng.generate([first], params)[0].token_ids
+    second = first + answer + [tokenizer.eos_id] + random_prompt(rng, 20, tokenizer.base_size) + [tokenizer.eos_id, 5]
+    chunks = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        chunks.extend(n for _, n in plan.prefill)
+        return plan
+
+    eng.scheduler.schedule = spy
+    out = eng.generate([second], params)[0]
+    assert out.cached_tokens == len(first) + len(answer) - 1
+    assert chunks == [len(second) - 1 - out.cached_tokens]  # one chunk up to the last prompt position
+    assert out.token_ids == _cold(make_engine, [second], params)[0]
+
+
 def test_concurrent_requests_wait_for_a_prefix_being_computed(make_engine, tokenizer):
     """Requests arriving together with one system prompt: the first computes it, the others are admitted
     once its checkpoint exists (instead of all computing the same prefix at once)."""
@@ -147,6 +172,57 @@ def test_short_requests_are_not_starved_by_long_prompts(make_engine, tokenizer):
         steps += 1
     assert steps <= 3  # 16 + 13 prompt tokens in two chunks, the last one in a decode step
     assert sum(eng.requests[r].num_computed for r in longs) >= sum(progress.values()) + 2 * 16  # longs kept going
+
+
+def test_leftover_budget_extends_chunks_instead_of_leaving_a_remainder(make_engine, tokenizer):
+    """Three new short prompts of 12 tokens, budgets 16 (short) + 24 (long): the second one's chunk is
+    cut to the 4 tokens left of the short budget, the third takes the long budget; without the top-up
+    the second one's 8-token remainder costs another forward, with it the long budget's leftover
+    completes the chunk and all three prefill in one forward."""
+    rng = random.Random(13)
+    eng = make_engine(short_prefill_budget=16, long_prefill_budget=24, long_prompt_threshold=64,
+                      enable_prefix_cache=False)
+    prompts = [random_prompt(rng, 12, tokenizer.base_size) for _ in range(3)]
+    chunks = []
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        chunks.append([n for _, n in plan.prefill])
+        return plan
+
+    eng.scheduler.schedule = spy
+    outs = eng.generate(prompts, GREEDY)
+    assert chunks[0] == [12, 12, 12] and not any(chunks[1:])  # then decode steps only
+    assert [o.token_ids for o in outs] == _cold(make_engine, prompts)
+
+
+def test_long_prompts_with_a_cached_prefix_run_as_short_ones(make_engine, tokenizer):
+    """Long / short is decided by the tokens left to compute after the prefix hit: two 90-token
+    prompts extending a cached 80-token conversation run together although max_long_running is 1."""
+    rng = random.Random(12)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng = make_engine(long_prompt_threshold=40, max_running=4, max_long_running=1, short_prefill_budget=32,
+                      long_prefill_budget=32)
+    base = _conversation(rng, tokenizer, 4, 19)
+    eng.generate([base], params)
+    prompts = [base + random_prompt(rng, 10, tokenizer.base_size) for _ in range(2)]
+    ids = [eng.add_request(p, params) for p in prompts]
+    assert all(eng.requests[r].long for r in ids)  # by total length, at submission
+    eng.step()
+    running = [eng.requests[r] for r in ids]
+    assert all(r.status == "running" and not r.long for r in running)  # both admitted in one step
+    assert all(r.num_computed >= len(base) - 1 for r in running)
+    got = {r: [] for r in ids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[r] for r in ids] == _cold(make_engine, prompts, params)
+    long_cold = make_engine(long_prompt_threshold=40, max_long_running=1, max_running=4, enable_prefix_cache=False)
+    for p in prompts:  # without a cache they stay long: only one runs at a time
+        long_cold.add_request(p, params)
+    long_cold.step()
+    assert len(long_cold.scheduler.running) == 1
 
 
 def test_abort_frees_the_cache(make_engine, tokenizer):

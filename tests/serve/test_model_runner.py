@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from k3.cli import build_parser
 from k3.config import apply_overrides, k3_small, k3_tiny
 from k3.model.causal_lm import K3ForCausalLM
-from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
+from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache, StaticDecodeCache
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.model_runner import DecodeRunner, bucket_sizes
 from k3.serve.sampling import SamplingParams
@@ -98,9 +98,10 @@ def _assert_pools_close(a: BlockPool, b: BlockPool, slots: list[list[int]], page
 
 def _compare_static_to_dynamic(model, lens: list[int], steps: int, *, max_batch: int, max_len: int,
                                page_size: int = 4, seed: int = 0, static_kda: str = "torch",
-                               tol: float = 1e-5) -> DecodeRunner:
+                               tol: float = 1e-5, paged_mla: bool | None = None) -> DecodeRunner:
     """Decode `steps` tokens with both paths from identical pools; logits and pools must agree.
-    static_kda: the KDA backend while the static path runs (the dynamic path always uses "torch")."""
+    static_kda: the KDA backend while the static path runs (the dynamic path always uses "torch");
+    paged_mla: the static path's MLA attention (None: the paged kernel on CUDA, gather on CPU)."""
     rng = random.Random(seed)
     prompts = [random_prompt(rng, n, 4000) for n in lens]
     pool_d, pool_s = _twin_pools(model, page_size)
@@ -109,7 +110,8 @@ def _compare_static_to_dynamic(model, lens: list[int], steps: int, *, max_batch:
     with torch.inference_mode():
         dyn.prefill(model)
         sta.prefill(model)
-        runner = DecodeRunner(model, pool_s, max_batch=max_batch, max_len=max_len, use_graphs=False)
+        runner = DecodeRunner(model, pool_s, max_batch=max_batch, max_len=max_len, use_graphs=False,
+                              paged_mla=paged_mla)
         for _ in range(steps):
             ref = dyn.dynamic_decode(model)
             model.set_kda_backend(static_kda)
@@ -146,6 +148,51 @@ def test_static_decode_with_the_triton_recurrent_kda_kernel(torch_kda):
     model = torch_kda.set_kda_backend("torch")
     runner = _compare_static_to_dynamic(model, [3, 6, 2], 2, max_batch=3, max_len=32, seed=1, static_kda="triton")
     assert runner.batch_buckets == [1, 2, 3]
+
+
+@pytest.fixture
+def mla_calls(monkeypatch) -> list[tuple[str, str, bool]]:
+    """Records every MLA cache access as (cache class, "append" (gather) or "write" (paged kernel),
+    whether the forward was a decode (absorbed))."""
+    calls: list[tuple[str, str, bool]] = []
+    for cls in (StaticDecodeCache, PagedBatchCache):
+        for name, kind in (("mla_append", "append"), ("mla_write", "write")):
+            def wrapped(self, *args, _fn=getattr(cls, name), _kind=kind):
+                calls.append((type(self).__name__, _kind, self.absorb_mla))
+                return _fn(self, *args)
+
+            monkeypatch.setattr(cls, name, wrapped)
+    return calls
+
+
+def test_static_decode_with_the_paged_mla_kernel_equals_dynamic(torch_kda, mla_calls):
+    """The CUDA configuration of MLA decode (the paged Triton kernel reading the pool in place), run by
+    the Triton interpreter, against the dynamic gather path: padding rows, page and page-bucket crossings."""
+    model = torch_kda.set_kda_backend("torch")
+    runner = _compare_static_to_dynamic(model, [4, 5, 9, 2, 14], 4, max_batch=8, max_len=64, paged_mla=True,
+                                        tol=2e-5)
+    assert runner.paged_mla
+    static = {kind for cls, kind, _ in mla_calls if cls == "StaticDecodeCache"}
+    assert static == {"write"}  # no gather in the static step
+
+
+def test_engine_greedy_outputs_identical_with_the_paged_mla_kernel(make_engine, tokenizer, torch_kda, mla_calls):
+    """Greedy tokens of the gather path (dynamic decode) against the paged kernel in the static decode
+    path and in the dynamic decode path (PagedBatchCache with one new token per row)."""
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n, tokenizer.base_size) for n in (3, 17, 40)]
+    common = dict(short_prefill_budget=16, long_prefill_budget=24, long_prompt_threshold=30, max_running=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = [o.token_ids for o in make_engine(**common).generate(prompts, params)]
+    assert ("PagedBatchCache", "append", True) in mla_calls and not any(k == "write" for _, k, _ in mla_calls)
+    for static in (True, False):
+        mla_calls.clear()
+        eng = make_engine(static_decode=static, paged_mla_decode=True, **common)
+        assert eng.paged_mla and (eng.runner is not None) == static and (not static or eng.runner.paged_mla)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+        decode_kinds = {(cls, kind) for cls, kind, decode in mla_calls if decode}
+        want = "StaticDecodeCache" if static else "PagedBatchCache"
+        assert decode_kinds == {(want, "write")}, decode_kinds  # every decode step used the kernel
 
 
 def test_decode_beyond_the_buckets_returns_none_and_bad_input_is_refused(model):
@@ -351,3 +398,20 @@ def test_engine_graphs_on_equals_off_and_captures_once_per_bucket():
     eng.generate(prompts, params)  # the same schedule again: replays only
     assert runner.num_captures == len(used)
     assert runner.warmup(8, 7, 90 + 24) == len(runner.buckets_for(8, 7, 114)) - len(used)  # only the missing
+
+
+@pytest.mark.gpu
+def test_engine_paged_mla_kernel_equals_gather_on_cuda_fp32():
+    """Greedy engine outputs on CUDA in fp32: the paged kernel (static and dynamic decode paths, exact
+    fp32 dots) against the gather + dense path; a 300-token prompt spans many pages and splits."""
+    model = _gpu_model(k3_tiny(), torch.float32)
+    rng = random.Random(7)
+    prompts = [random_prompt(rng, n, 4000) for n in (12, 300, 7, 75)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cfg = dict(memory_budget_bytes=256 << 20, page_size=16, unit_size=16, max_running=4, max_model_len=4096)
+    ref = [o.token_ids for o in Engine(model, None, EngineConfig(paged_mla_decode=False, **cfg)).generate(
+        prompts, params)]
+    for static in (True, False):
+        eng = Engine(model, None, EngineConfig(static_decode=static, paged_mla_decode=True, **cfg))
+        assert eng.paged_mla and (eng.runner is not None) == static
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref
