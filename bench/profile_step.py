@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--phases", default="train,optim,decode")
-    ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training phases)")
+    ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training and decode)")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -99,11 +99,7 @@ def main() -> None:
         from k3.serve.sampling import SamplingParams
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        if args.compile:
-            from k3.model.compile import uncompile_model
-
-            uncompile_model(model)  # serving stays eager (decode shapes change every step)
-        model.to(dtype)
+        model.to(dtype)  # with --compile the decode graphs capture the compiled regions (k3 serve --compile)
         eng = Engine(model, None, EngineConfig(memory_budget_bytes=8 << 30 if device.type == "cuda" else 256 << 20))
         prompts = [torch.randint(0, vocab, (200 + 7 * i,)).tolist() for i in range(args.decode_batch)]
         for p in prompts:
