@@ -271,7 +271,15 @@ def summarize(name: str, cache: bool, jobs: list[Job], wall: float, engine: Engi
         "ttft_p50_s": round(statistics.median(ttft), 4), "ttft_p90_s": round(q[8], 4),
         "preemptions": engine.scheduler.num_preemptions,
         "checkpoints": len(engine.prefix) if engine.prefix is not None else 0,
+        **forward_split(engine.metrics.snapshot()),
     }
+
+
+def forward_split(m: dict) -> dict:
+    """Where the engine's time went: prefill vs decode forwards (counts, seconds, mean decode batch)."""
+    return {"prefill_forwards": m["prefill_forwards"], "prefill_s": round(m["prefill_seconds"], 3),
+            "decode_forwards": m["decode_forwards"], "decode_s": round(m["decode_seconds"], 3),
+            "mean_decode_batch": round(m["decode_rows"] / m["decode_forwards"], 2) if m["decode_forwards"] else None}
 
 
 def make_engine(model: K3ForCausalLM, args: argparse.Namespace, cache: bool, eos: int) -> Engine:
@@ -355,7 +363,8 @@ def markdown(rows: list[dict]) -> str:
     work = [r for r in rows if r["workload"] != "decode"]
     if work:
         cols = ["workload", "prefix_cache", "requests", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_s",
-                "ttft_p90_s", "reusable_served_from_cache"]
+                "ttft_p90_s", "reusable_served_from_cache", "prefill_forwards", "prefill_s", "decode_forwards",
+                "decode_s", "mean_decode_batch"]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in work]
         by = {(r["workload"], r["prefix_cache"]): r for r in work}

@@ -282,6 +282,12 @@ class Engine:
         return [o for o in (self._output(r) for r in touched) if o is not None]
 
     def _run(self, batch: list[tuple[Request, int]], *, decode: bool) -> list[Request]:
+        start = time.perf_counter()
+        reqs = self._run_batch(batch, decode=decode)
+        self.metrics.observe_forward(decode, len(batch), time.perf_counter() - start)
+        return reqs
+
+    def _run_batch(self, batch: list[tuple[Request, int]], *, decode: bool) -> list[Request]:
         reqs = [r for r, _ in batch]
         try:
             logits_rows = self._forward(batch, decode=decode)

@@ -19,6 +19,22 @@ class EngineMetrics:
     finished: dict[str, int] = field(default_factory=dict)
     ttft_counts: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))
     ttft_sum: float = 0.0
+    # forwards by kind, with the rows they carried and the wall seconds of each phase (forward + sampling;
+    # sampling reads the tokens back, so the time includes the device work)
+    prefill_forwards: int = 0
+    decode_forwards: int = 0
+    decode_rows: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def observe_forward(self, decode: bool, rows: int, seconds: float) -> None:
+        if decode:
+            self.decode_forwards += 1
+            self.decode_rows += rows
+            self.decode_seconds += seconds
+        else:
+            self.prefill_forwards += 1
+            self.prefill_seconds += seconds
 
     def observe_ttft(self, seconds: float) -> None:
         i = next((k for k, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
@@ -38,12 +54,20 @@ class EngineMetrics:
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "finished": dict(self.finished),
             "ttft_counts": list(self.ttft_counts), "ttft_sum": self.ttft_sum,
+            "prefill_forwards": self.prefill_forwards, "decode_forwards": self.decode_forwards,
+            "decode_rows": self.decode_rows, "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
         }
 
 
 _HELP = {
     "requests_added": ("counter", "Requests submitted to the engine"),
     "steps": ("counter", "Engine steps run"),
+    "prefill_forwards": ("counter", "Prefill forwards (one packed batch of prompt chunks each)"),
+    "decode_forwards": ("counter", "Decode forwards (one token for each running request)"),
+    "decode_rows": ("counter", "Rows summed over decode forwards (mean decode batch = decode_rows / decode_forwards)"),
+    "prefill_seconds": ("counter", "Wall seconds in prefill forwards and their sampling"),
+    "decode_seconds": ("counter", "Wall seconds in decode forwards and their sampling"),
     "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),
     "prompt_tokens": ("counter", "Prompt tokens of finished requests"),

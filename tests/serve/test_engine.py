@@ -288,3 +288,19 @@ def test_request_limits_are_validated(make_engine, tokenizer):
     small = make_engine(memory_budget_bytes=(make_engine().layout.slot_blocks + 4) * make_engine().layout.block_bytes)
     with pytest.raises(ValueError, match="cache memory"):
         small.add_request([1] * 30, SamplingParams(max_tokens=30))
+
+
+def test_forward_metrics_count_prefill_and_decode(make_engine, tokenizer):
+    """The engine's phase split (what bench/serve.py reports and /metrics exports)."""
+    from k3.serve.metrics import prometheus_text
+
+    rng = random.Random(11)
+    eng = make_engine()
+    eng.generate([random_prompt(rng, n, tokenizer.base_size) for n in (7, 21)],
+                 SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    m = eng.metrics.snapshot()
+    # prefill runs each prompt but its last token; the 5 tokens come from 5 decode forwards of 2 rows
+    assert m["prefill_forwards"] >= 1 and m["decode_forwards"] == 5 and m["decode_rows"] == 10
+    assert m["prefill_seconds"] > 0 and m["decode_seconds"] > 0
+    text = prometheus_text(eng.stats())
+    assert f"k3_decode_forwards_total {float(m['decode_forwards'])!r}" in text
