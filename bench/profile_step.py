@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--decode-batch", type=int, default=32)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--phases", default="train,optim,decode")
+    ap.add_argument("--phases", default="train,optim,decode", help="comma list of: train, optim, decode, prefill")
+    ap.add_argument("--prefix-len", type=int, default=None, help="prefill phase: cached shared prefix (default 10240)")
+    ap.add_argument("--new-len", type=int, default=None, help="prefill phase: new tokens per request (default 730)")
     ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training and decode)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -112,6 +114,39 @@ def main() -> None:
                 eng.step()
 
         profile_phase(f"serving: 8 decode steps at batch {args.decode_batch}", decode_steps, device, args.rows)
+    if "prefill" in phases:
+        profile_prefill_hits(model, args, device, vocab)
+
+
+def profile_prefill_hits(model: K3ForCausalLM, args: argparse.Namespace, device: torch.device, vocab: int) -> None:
+    """Serving prefill after a prefix-cache hit (an agent's next turn): `--decode-batch` requests share a
+    cached `--prefix-len` prefix and each brings `--new-len` new tokens; profiles the engine steps that
+    prefill them (and sample one token)."""
+    from k3.serve.engine import Engine, EngineConfig
+    from k3.serve.sampling import SamplingParams
+
+    tiny = args.tiny or device.type == "cpu"
+    prefix_len = args.prefix_len or (300 if tiny else 10240)
+    new_len = args.new_len or (40 if tiny else 730)
+    model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    eng = Engine(model, None, EngineConfig(memory_budget_bytes=(40 << 30) if device.type == "cuda" else 256 << 20,
+                                           page_size=256 if not tiny else 16, unit_size=512 if not tiny else 32,
+                                           short_prefill_budget=8192, long_prefill_budget=8192))
+    gen = torch.Generator().manual_seed(1)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    shared = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
+    eng.generate([shared], one)  # the prefix is cached (and its KDA state checkpointed) from here on
+
+    def next_turns() -> None:
+        prompts = [shared + torch.randint(0, vocab, (new_len,), generator=gen).tolist()
+                   for _ in range(args.decode_batch)]
+        eng.generate(prompts, one)
+
+    profile_phase(f"serving: prefill of {args.decode_batch} x {new_len} new tokens after a {prefix_len}-token "
+                  f"prefix hit", next_turns, device, args.rows)
+    m = eng.metrics.snapshot()
+    print(f"engine: {m['prefill_forwards']} prefill forwards {m['prefill_seconds']:.3f} s, "
+          f"{m['decode_forwards']} decode forwards {m['decode_seconds']:.3f} s, cached tokens {m['cached_tokens']}")
 
 
 if __name__ == "__main__":
