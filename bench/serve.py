@@ -275,6 +275,13 @@ def summarize(name: str, cache: bool, jobs: list[Job], wall: float, engine: Engi
     }
 
 
+def dynamo_compiles() -> int:
+    """Frames torch.compile has compiled so far in this process (0 without --compile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def forward_split(m: dict) -> dict:
     """Where the engine's time went: prefill vs decode forwards (counts, seconds, mean decode batch)."""
     return {"prefill_forwards": m["prefill_forwards"], "prefill_s": round(m["prefill_seconds"], 3),
@@ -341,10 +348,12 @@ def main(argv: list[str] | None = None) -> int:
             if engine.runner is not None:  # graph captures before the clock starts
                 engine.runner.warmup(*context_range(which, args))
             sync(model)
+            compiles = dynamo_compiles()
             t0 = time.perf_counter()
             jobs = run_agentic(engine, args, tok) if which == "agentic" else run_gsp(engine, args, tok)
             sync(model)
             row = summarize(which, cache == "on", jobs, time.perf_counter() - t0, engine)
+            row["recompiles"] = dynamo_compiles() - compiles  # torch.compile work inside the timed run
             row.update(meta, kda_backend=model.model.layers[0].self_attn.kda_backend
                        if hasattr(model.model.layers[0].self_attn, "kda_backend") else None,
                        cuda_graphs=engine.runner is not None and engine.runner.use_graphs,
@@ -364,7 +373,7 @@ def markdown(rows: list[dict]) -> str:
     if work:
         cols = ["workload", "prefix_cache", "requests", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_s",
                 "ttft_p90_s", "reusable_served_from_cache", "prefill_forwards", "prefill_s", "decode_forwards",
-                "decode_s", "mean_decode_batch"]
+                "decode_s", "mean_decode_batch", "recompiles"]
         out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in work]
         by = {(r["workload"], r["prefix_cache"]): r for r in work}
