@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
@@ -114,6 +115,8 @@ class GatedMLA(nn.Module):
             return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
         buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
         N, Tq = q_pad.shape[:2]
+        if not cache.absorb_mla and not getattr(cache, "static_shapes", False):
+            return _from_padded(self._prefill_rows(q_pad, buf, layout), layout, q.shape[1])
         if getattr(cache, "static_shapes", False):
             S = buf.shape[1]  # CUDA-graph decode: attend over every gathered row, the mask hides the rest
         else:
@@ -128,6 +131,23 @@ class GatedMLA(nn.Module):
             o = _sdpa(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
                       causal=False, scale=self.scale).transpose(1, 2)
         return _from_padded(o, layout, q.shape[1])
+
+    def _prefill_rows(self, q: torch.Tensor, buf: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """Prefill against the cache, one row at a time: row i's new tokens attend causally to its own
+        past + new latents (bottom-right aligned), expanded to keys and values for that row only.
+
+        q [N, Tq, H, nope+rope] (padded rows), buf [N, cap, kv_lora+rope] -> [N, Tq, H, v]. No [N, Tq, S]
+        mask and no padding to the longest row's context: on CUDA the lower-right causal bias keeps SDPA
+        on its fused kernels, where a boolean mask can force the materialising path."""
+        out = q.new_zeros(*q.shape[:3], self.v_dim)
+        for i, (past, new) in enumerate(zip(layout.past_lens.tolist(), layout.new_lens.tolist())):
+            if new == 0:
+                continue
+            k, v = self._expand(buf[i: i + 1, : past + new])
+            o = _sdpa(q[i: i + 1, :new].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                      causal_lower_right(new, past + new), causal=False, scale=self.scale)
+            out[i, :new] = o[0].transpose(0, 1)
+        return out
 
     def _absorbed(self, q: torch.Tensor, lat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Weight-absorbed attention over latents: q [N, Tq, H, nope+rope], lat [N, S, kv_lora+rope].
@@ -173,6 +193,8 @@ def _sdpa(q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     # Low precision: compute the scores and softmax in fp32 (the official precision), output in q's dtype.
     s = torch.einsum("...td,...sd->...ts", q.float(), k.float()) * scale
+    if isinstance(mask, CausalBias):  # lower-right causal: query t sees keys <= t + S - T
+        mask, causal = None, True
     if causal:
         T, S = s.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)

@@ -140,3 +140,32 @@ def test_kda_gate_init_in_bounds():
     layer.reset_kda_parameters()
     g = kda_gate(torch.zeros(cfg.kda_num_heads, cfg.kda_head_dim), layer.A_log, layer.dt_bias, -5.0)
     assert (g < 0).all() and (g > -1.0 - 1e-4).all() and g.max() > -2e-3
+
+
+def test_mla_prefill_rows_equal_the_masked_padded_attention():
+    """Prefill against a latent cache, row by row with a lower-right causal bias, == one masked SDPA
+    over all rows padded to the longest context (the formulation it replaces), fp32 and bf16."""
+    from k3.model.mla import _sdpa
+
+    torch.manual_seed(0)
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, layer_idx=3)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    past, new = torch.tensor([5, 0, 13, 2]), torch.tensor([3, 4, 1, 0])  # incl. an empty and a fresh row
+    N, Tq, H = 4, int(new.max()), mla.num_heads
+    layout = SeqLayout(N, torch.cat([torch.zeros(1, dtype=torch.long), new.cumsum(0)]), new, past)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        m = mla.to(dtype)
+        q = torch.randn(N, Tq, H, mla.nope + mla.rope, dtype=dtype)
+        buf = torch.randn(N, 20, cfg.kv_lora_rank + mla.rope, dtype=dtype)
+        got = m._prefill_rows(q, buf, layout)
+        S = int((past + new).max())
+        qpos = past[:, None] + torch.arange(Tq)[None, :]
+        mask = torch.arange(S)[None, None, :] <= qpos[:, :, None]
+        k, v = m._expand(buf[:, :S])
+        want = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], causal=False,
+                     scale=m.scale).transpose(1, 2)
+        for i in range(N):  # only each row's real tokens are defined
+            torch.testing.assert_close(got[i, : new[i]].float(), want[i, : new[i]].float(), atol=tol, rtol=tol)
+        assert not got[1:2].isnan().any() and (got[3] == 0).all()
