@@ -66,6 +66,8 @@ class TrainConfig:
     vision_train_examples: int = 4000
     vision_eval_examples: int = 300
     vision_image_size: list[int] = field(default_factory=lambda: [56, 112])
+    # ask every training image all of its facts (follow-up turns), not only its one scored question
+    vision_followups: bool = False
     # generator kinds -> relative frequency (colour / shape / count carry the scored questions)
     vision_kinds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("colour", "shape", "count", "plot", "code"), 1.0))
@@ -130,8 +132,8 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "k3-tiny-vl": {
         "max_steps": 200, "tokens_per_step": 256, "stages": [{"seq_len": 128, "fraction": 1.0}],
         "warmup_steps": 10, "eval_every": 100, "eval_tokens": 4096,
-        "vision_batch_size": 32, "vision_loss_weight": 2.0,
-        "vision_kinds": {"colour": 1.0, "shape": 1.0, "count": 1.0, "plot": 0.1, "code": 0.1},
+        "vision_batch_size": 32, "vision_loss_weight": 2.0, "vision_image_size": [56, 56],
+        "vision_kinds": {"colour": 0.6, "shape": 1.0, "count": 1.4, "plot": 0.05, "code": 0.05},
     },
 }
 
