@@ -27,7 +27,7 @@ import io
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -87,18 +87,13 @@ class VisionExample:
     answer: str
     kind: str
     choices: list[str] | None = None
-    followups: list[tuple[str, str]] = field(default_factory=list)
 
-    def messages(self, followups: bool = False) -> list[dict]:
-        """The example as an OpenAI-style chat: a user turn (image, then question) and the answer;
-        with `followups`, one more user/assistant turn pair per follow-up question."""
-        msgs = [
+    def messages(self) -> list[dict]:
+        """The example as an OpenAI-style chat: a user turn (image, then question) and the answer."""
+        return [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.question}]},
             {"role": "assistant", "content": self.answer},
         ]
-        for question, answer in self.followups if followups else ():
-            msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        return msgs
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -189,16 +184,14 @@ def _colour(rng: np.random.Generator, lo: int, hi: int) -> VisionExample:
     colour = names[int(rng.integers(len(names)))]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     img = _single_shape_image(rng, lo, hi, shape, COLOURS[colour])
-    question = _question(rng, "colour")
-    return VisionExample(img, question, colour, "colour", names, _followups(rng, {"shape": shape}))
+    return VisionExample(img, _question(rng, "colour"), colour, "colour", names)
 
 
 def _shape(rng: np.random.Generator, lo: int, hi: int) -> VisionExample:
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
-    colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
-    img = _single_shape_image(rng, lo, hi, shape, COLOURS[colour])
-    question = _question(rng, "shape")
-    return VisionExample(img, question, shape, "shape", list(SHAPES), _followups(rng, {"colour": colour}))
+    rgb = list(COLOURS.values())[int(rng.integers(len(COLOURS)))]
+    img = _single_shape_image(rng, lo, hi, shape, rgb)
+    return VisionExample(img, _question(rng, "shape"), shape, "shape", list(SHAPES))
 
 
 def _place_disjoint(rng: np.random.Generator, n: int, w: int, h: int, r: float) -> list[tuple[float, float]] | None:
@@ -230,8 +223,7 @@ def _place_grid(rng: np.random.Generator, n: int, w: int, h: int, r: float) -> l
 def _count(rng: np.random.Generator, lo: int, hi: int) -> VisionExample:
     n = int(rng.integers(1, len(COUNTS) + 1))
     shape = _COUNT_SHAPES[int(rng.integers(len(_COUNT_SHAPES)))]
-    colour = list(COLOURS)[int(rng.integers(len(COLOURS)))]
-    rgb = _jitter(rng, COLOURS[colour])
+    rgb = _jitter(rng, list(COLOURS.values())[int(rng.integers(len(COLOURS)))])
     w, h = _canvas_size(rng, lo, hi)
     r = min(COUNT_RADIUS, 0.11 * min(w, h))
     centres = _place_grid(rng, n, w, h, r)
@@ -244,9 +236,7 @@ def _count(rng: np.random.Generator, lo: int, hi: int) -> VisionExample:
     angle = float(rng.uniform(0, 2 * math.pi))
     for cx, cy in centres:
         _draw_shape(draw, shape, cx, cy, r, angle, rgb)
-    question = _question(rng, "count")
-    return VisionExample(_finish(img, w, h), question, str(n), "count", list(COUNTS),
-                         _followups(rng, {"colour": colour, "shape": shape}))
+    return VisionExample(_finish(img, w, h), _question(rng, "count"), str(n), "count", list(COUNTS))
 
 
 _PLOT_FUNCS = (
@@ -341,13 +331,6 @@ _MAKERS = {"colour": _colour, "shape": _shape, "count": _count, "plot": _plot, "
 def _question(rng: np.random.Generator, kind: str) -> str:
     options = _QUESTIONS[kind]
     return options[int(rng.integers(len(options)))]
-
-
-def _followups(rng: np.random.Generator, facts: dict[str, str]) -> list[tuple[str, str]]:
-    """(question, answer) about the image's other facts, in random order. Drawn after the image and
-    the main question, so the main example is the same with or without them."""
-    kinds = [str(k) for k in rng.permutation(sorted(facts))]
-    return [(_question(rng, k), facts[k]) for k in kinds]
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -68,11 +68,8 @@ class VisionBatch:
                            self.num_targets, cu)
 
 
-def render_example(example: Any, tokenizer: Any, cfg: VisionConfig, answer: str | None = None,
-                   followups: bool = False) -> RenderedExample:
-    """Render one example (optionally with another `answer`, for scoring candidates). With
-    `followups`, the example's further (question, answer) pairs about the same image
-    (``example.followups``) follow as more turns, each answer in the loss."""
+def render_example(example: Any, tokenizer: Any, cfg: VisionConfig, answer: str | None = None) -> RenderedExample:
+    """Render one example (optionally with another `answer`, for scoring candidates)."""
     from k3.chat.media import image_prompt
     from k3.chat.render import render
 
@@ -82,8 +79,6 @@ def render_example(example: Any, tokenizer: Any, cfg: VisionConfig, answer: str 
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": example.question}]},
         {"role": "assistant", "content": example.answer if answer is None else answer},
     ]
-    for question, reply in getattr(example, "followups", ()) if followups else ():
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
     ids, mask = render(messages, tokenizer, thinking=False, image_prompts=[image_prompt(n)])
     if not any(mask):
         raise ValueError(f"example {example.question!r}: the rendered chat has no assistant tokens")

@@ -47,7 +47,7 @@ def prepare_vision_data(cfg: TrainConfig, tokenizer: Any, vcfg: VisionConfig,
     kinds = [k for k, w in cfg.vision_kinds.items() if w > 0]
     train = generate_examples(cfg.vision_train_examples, cfg.seed, size=size, kinds=kinds,
                               weights=[cfg.vision_kinds[k] for k in kinds])
-    rows = [render_example(e, tokenizer, vcfg, followups=cfg.vision_followups) for e in train]
+    rows = [render_example(e, tokenizer, vcfg) for e in train]
     scored = [k for k in kinds if k in SCORED_KINDS]
     if not scored:
         raise ValueError(f"train config vision_kinds={cfg.vision_kinds!r}: needs one of {SCORED_KINDS} "
