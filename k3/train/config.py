@@ -133,7 +133,7 @@ PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_steps": 200, "tokens_per_step": 256, "stages": [{"seq_len": 128, "fraction": 1.0}],
         "warmup_steps": 10, "eval_every": 100, "eval_tokens": 4096,
         "vision_batch_size": 32, "vision_loss_weight": 2.0, "vision_image_size": [56, 56],
-        "vision_kinds": {"colour": 0.5, "shape": 1.3, "count": 1.2, "plot": 0.05, "code": 0.05},
+        "vision_kinds": {"colour": 0.4, "shape": 1.3, "count": 1.4, "plot": 0.05, "code": 0.05},
     },
 }
 
