@@ -20,7 +20,6 @@ from k3.data.synth_vision import (
     generate_examples,
 )
 
-
 SHAPE_AREA_RANGE = (20, 90)  # pixels of one count object (radius 4.5: a circle is ~64)
 
 
