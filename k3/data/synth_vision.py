@@ -9,11 +9,12 @@ Every example is one image plus a question and its answer, produced by a tiny ra
 - ``code``:   a short Python snippet rendered in a monospace font; the answer is the snippet.
 
 This is the report's "code paired with rendered visuals" at toy scale: no downloads, fully
-deterministic per seed, and small images (default sides 56-112 px, i.e. 4-16 media tokens) so
-a tiny vision-language model trains on a couple of CPU cores. colour/shape/count carry exactly
-one clear fact per image (a single object, or copies of one object) with varied image sizes,
-aspect ratios, object sizes and positions, so a tiny model can learn them; ``choices`` lists
-the candidate answers for multiple-choice scoring (chance = 1 / len(choices)).
+deterministic per seed, and small images (default sides 56-112 px, i.e. 4-16 media tokens;
+`k3-tiny-vl` trains on 56 x 56) so a tiny vision-language model trains on a couple of CPU cores.
+colour/shape/count carry exactly one clear fact per image: a single large object (36-44 px
+across, several patches), or 1-6 equal small objects one per 14-px grid cell; image sizes,
+aspect ratios, positions, rotations and colours vary. ``choices`` lists the candidate answers
+for multiple-choice scoring (chance = 1 / len(choices)).
 
 Held-out split: `TRAIN_SEED` and `HELDOUT_SEED` are the conventional seeds; examples are
 generated from independent random streams per (seed, index), so different seeds never share
@@ -59,6 +60,16 @@ _QUESTIONS = {
     "code": ("What code is shown in the image?", "Transcribe the code in the image."),
 }
 _SUPERSAMPLE = 2  # draw at 2x and downsample: anti-aliased edges without a slow renderer
+# Object sizes in pixels, not relative to the canvas: a tiny tower learns shapes far faster when
+# a single object spans 3 or more 14-px patches (radius 18-22: 36-44 px across), and counting
+# is easier when every counted object has the same size (see docs/vision.md, "Results").
+SHAPE_RADIUS = (18.0, 22.0)  # single-object images; capped at 0.42 * the shorter side
+COUNT_RADIUS = 4.5  # every counted object; capped at 0.11 * the shorter side
+# Counted objects sit one per cell of a 14-px grid (the patch size), jittered by up to 1 px, so
+# objects never touch and one patch never holds two of them; canvases with too few cells fall
+# back to free placement with a gap.
+COUNT_CELL = 14
+_COUNT_JITTER = 1.0
 
 
 @dataclass
@@ -158,7 +169,7 @@ def _single_shape_image(rng: np.random.Generator, lo: int, hi: int, shape: str, 
     w, h = _canvas_size(rng, lo, hi)
     img, draw = _new_canvas(w, h, _background(rng))
     m = min(w, h)
-    r = float(rng.uniform(0.22, 0.42)) * m
+    r = min(float(rng.uniform(*SHAPE_RADIUS)), 0.42 * m)
     cx = float(rng.uniform(r + 1, w - r - 1))
     cy = float(rng.uniform(r + 1, h - r - 1))
     _draw_shape(draw, shape, cx, cy, r, float(rng.uniform(0, 2 * math.pi)), _jitter(rng, rgb))
@@ -196,13 +207,28 @@ def _place_disjoint(rng: np.random.Generator, n: int, w: int, h: int, r: float) 
     return None
 
 
+def _place_grid(rng: np.random.Generator, n: int, w: int, h: int, r: float) -> list[tuple[float, float]] | None:
+    """Centres of n distinct cells of a COUNT_CELL grid centred on the canvas (None if it has fewer
+    than n cells or the cells are too small for a gap between objects)."""
+    cols, rows = w // COUNT_CELL, h // COUNT_CELL
+    if cols * rows < n or COUNT_CELL < 2 * r + 2 * _COUNT_JITTER + 2:
+        return None
+    ox, oy = (w - cols * COUNT_CELL) / 2, (h - rows * COUNT_CELL) / 2
+    cells = rng.choice(cols * rows, size=n, replace=False)
+    return [(ox + (c % cols + 0.5) * COUNT_CELL + float(rng.uniform(-_COUNT_JITTER, _COUNT_JITTER)),
+             oy + (c // cols + 0.5) * COUNT_CELL + float(rng.uniform(-_COUNT_JITTER, _COUNT_JITTER)))
+            for c in (int(c) for c in cells)]
+
+
 def _count(rng: np.random.Generator, lo: int, hi: int) -> VisionExample:
     n = int(rng.integers(1, len(COUNTS) + 1))
     shape = _COUNT_SHAPES[int(rng.integers(len(_COUNT_SHAPES)))]
     rgb = _jitter(rng, list(COLOURS.values())[int(rng.integers(len(COLOURS)))])
     w, h = _canvas_size(rng, lo, hi)
-    r = float(rng.uniform(0.07, 0.11)) * min(w, h)
-    centres = _place_disjoint(rng, n, w, h, r)
+    r = min(COUNT_RADIUS, 0.11 * min(w, h))
+    centres = _place_grid(rng, n, w, h, r)
+    if centres is None:
+        centres = _place_disjoint(rng, n, w, h, r)
     while centres is None:  # crowded canvas: shrink the objects until they fit
         r *= 0.85
         centres = _place_disjoint(rng, n, w, h, r)

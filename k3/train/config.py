@@ -124,14 +124,16 @@ class TrainConfig:
 
 # Training defaults of presets whose defaults differ from k3-tiny's. k3-tiny-vl: few text tokens
 # and many image chats per step (the optimizer step is a fixed ~1.3 s on CPU, so big steps pay),
-# vision loss weighted 2 (its mean spreads over the answer and ~8 closing-tag tokens), plots and
-# rendered code at a low frequency (long answers, not scored). See docs/vision.md for the runs.
+# vision loss weighted 2 (its mean spreads over the answer and ~8 closing-tag tokens), 56 x 56
+# images (4 media tokens: cheap rows, and one patch grid for every image), count and shape asked
+# more often than colour (which is learnt first), plots and rendered code at a low frequency
+# (long answers, not scored). See docs/vision.md for the runs.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
     "k3-tiny-vl": {
         "max_steps": 200, "tokens_per_step": 256, "stages": [{"seq_len": 128, "fraction": 1.0}],
         "warmup_steps": 10, "eval_every": 100, "eval_tokens": 4096,
-        "vision_batch_size": 32, "vision_loss_weight": 2.0,
-        "vision_kinds": {"colour": 1.0, "shape": 1.0, "count": 1.0, "plot": 0.1, "code": 0.1},
+        "vision_batch_size": 32, "vision_loss_weight": 2.0, "vision_image_size": [56, 56],
+        "vision_kinds": {"colour": 0.4, "shape": 1.3, "count": 1.4, "plot": 0.05, "code": 0.05},
     },
 }
 

@@ -20,6 +20,8 @@ from k3.data.synth_vision import (
     generate_examples,
 )
 
+SHAPE_AREA_RANGE = (20, 90)  # pixels of one count object (radius 4.5: a circle is ~64)
+
 
 def _foreground(img) -> np.ndarray:
     """Mask of object pixels: anything clearly darker or more saturated than the grey background."""
@@ -102,6 +104,23 @@ def test_count_caption_matches_connected_components():
     assert {e.answer for e in ex} == set(COUNTS)
     for e in ex:
         assert _components(_foreground(e.image)) == int(e.answer)
+
+
+def test_count_objects_share_one_size_on_the_patch_grid():
+    # 56 x 56: a 4 x 4 grid of 14-px cells, one object per chosen cell, every object the same size,
+    # so the count is the number of cells (patches) holding an object
+    for e in generate_examples(30, 8, kinds=["count"], size=(56, 56)):
+        fg = _foreground(e.image)
+        cells = fg.reshape(4, 14, 4, 14).any((1, 3))
+        assert cells.sum() == int(e.answer) == _components(fg)
+        area = fg.sum() / int(e.answer)
+        assert SHAPE_AREA_RANGE[0] < area < SHAPE_AREA_RANGE[1]
+
+
+def test_single_shapes_are_large():
+    for e in generate_examples(24, 9, kinds=["shape", "colour"], size=(56, 56)):
+        ys, xs = np.nonzero(_foreground(e.image))
+        assert max(ys.max() - ys.min(), xs.max() - xs.min()) + 1 >= 28  # at least 2 patches across
 
 
 def test_shape_caption_single_object_and_all_shapes():
