@@ -160,7 +160,7 @@ class KDAttention(nn.Module):
         tail = cache.conv_tail[self.layer_idx] if cache is not None else None
         qkv, g_in, f_a, b = linear_multi(x, [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
                                              [self.g_proj.weight], [self.f_a_proj.weight], [self.b_proj.weight]])
-        if tail is None and cache is None:
+        if cache is None:  # no history: the whole-row conv
             q, k, v = (t.reshape(B, T, H, K) for t in conv_silu_streams(qkv, conv_w, layout, 3, self.kernels))
         else:
             qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)

@@ -114,9 +114,9 @@ class GatedMLA(nn.Module):
             pages, tables, lens = cache.mla_write(self.layer_idx, lat_pad)
             return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
         buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
-        N, Tq = q_pad.shape[:2]
-        if not cache.absorb_mla and not getattr(cache, "static_shapes", False):
+        if not cache.absorb_mla:  # prefill (static decode caches always absorb)
             return _from_padded(self._prefill_rows(q_pad, buf, layout), layout, q.shape[1])
+        N, Tq = q_pad.shape[:2]
         if getattr(cache, "static_shapes", False):
             S = buf.shape[1]  # CUDA-graph decode: attend over every gathered row, the mask hides the rest
         else:
@@ -124,12 +124,7 @@ class GatedMLA(nn.Module):
         kpos = torch.arange(S, device=q.device)
         qpos = layout.past_lens[:, None] + torch.arange(Tq, device=q.device)[None, :]  # [N, Tq]
         mask = kpos[None, None, :] <= qpos[:, :, None]  # [N, Tq, S] causal incl. cache; padding keys excluded
-        if cache.absorb_mla:
-            o = self._absorbed(q_pad, buf[:, :S], mask)
-        else:
-            k, v = self._expand(buf[:, :S])
-            o = _sdpa(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None],
-                      causal=False, scale=self.scale).transpose(1, 2)
+        o = self._absorbed(q_pad, buf[:, :S], mask)
         return _from_padded(o, layout, q.shape[1])
 
     def _prefill_rows(self, q: torch.Tensor, buf: torch.Tensor, layout: SeqLayout) -> torch.Tensor:

@@ -382,7 +382,8 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     # ---- stacked path (plain tensors) ------------------------------------------------------------
     def _use_stacks(self, p: Tensor) -> bool:
-        """Whether p takes the stacked path (plain dense tensors) or the per-parameter hooks."""
+        """Whether p takes the stacked path (plain dense tensors) or the per-parameter hooks (a hook:
+        tests override it to run plain tensors through the per-parameter path)."""
         return _stackable(p)
 
     @staticmethod

@@ -242,17 +242,19 @@ class PagedBatchCache:
 
     def mla_append(self, layer: int, new: torch.Tensor, layout) -> torch.Tensor:
         """new: [N, Tmax, D] padded latents -> written to the pages; returns [N, pages*page_size, D]."""
-        li = self.pool.mla_index[layer]
-        self.pool.pages[self._blocks, li, self._offs] = new[self._valid].to(self.pool.pages.dtype)
-        g = self.pool.pages[self._tables, li]  # [N, P, page, D]
+        g = self._write(layer, new)[self._tables]  # [N, P, page, D]
         return g.reshape(self.num_seqs, -1, g.shape[-1])
 
     def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """new: [N, 1, D] latents -> written to the pages; returns what the paged decode kernel reads:
         (that layer's pages [num_blocks, page, D] (a view of the pool), tables [N, P], lens [N])."""
-        li = self.pool.mla_index[layer]
-        self.pool.pages[self._blocks, li, self._offs] = new[self._valid].to(self.pool.pages.dtype)
-        return self.pool.pages[:, li], self._tables, self._attend_lens
+        return self._write(layer, new), self._tables, self._attend_lens
+
+    def _write(self, layer: int, new: torch.Tensor) -> torch.Tensor:
+        """Scatter the new tokens' latents into their pages; returns that layer's pages (a view)."""
+        pages = self.pool.pages[:, self.pool.mla_index[layer]]
+        pages[self._blocks, self._offs] = new[self._valid].to(pages.dtype)
+        return pages
 
     def advance(self, new_lens: torch.Tensor) -> None:
         self.lengths = self.lengths + new_lens.to(self.lengths.device)

@@ -82,7 +82,6 @@ class Trainer:
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
         if cfg.compile:  # compiled elementwise regions; matmuls, attention and Triton KDA stay eager
             compile_model(self.model)
-        self.forward = self.model
         geom = HeadGeometry.from_config(self.model_config.text_config)
         groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]
@@ -194,11 +193,11 @@ class Trainer:
         with self._autocast():
             if self.vision is not None:  # image chats packed after the text rows, one forward
                 vb = next(self.vision.loader).to(self.device)
-                objective, loss, vision_loss = joint_loss(self.forward, ids, labels, cu, vb, self.cfg.vision_loss_weight)
+                objective, loss, vision_loss = joint_loss(self.model, ids, labels, cu, vb, self.cfg.vision_loss_weight)
             elif self.par is None:
-                objective = loss = self.forward(ids, labels=labels, cu_seqlens=cu).loss
+                objective = loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
             else:
-                objective, loss = self.par.loss(self.forward, self.par.local_batch(ids, labels, cu, batch.seq_len))
+                objective, loss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, batch.seq_len))
         objective.backward()
         if self.par is None:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
