@@ -2,6 +2,7 @@
 
 (a) agentic trace: `--clients` sessions share a long system prompt (10K tokens by default); each
     runs `--turns` turns: the model answers (fixed length), a tool result is appended, repeat.
+    Full sizes follow benchmarks.md B11's multi-turn protocol: 128 clients x 12 rounds.
     Every turn's prompt is the previous context plus new messages, at the token level (what an
     agent that echoes the model's tokens sends), so everything but the new messages is reusable.
 (b) generated-shared-prefix (benchmarks.md §4.8, SGLang protocol): `--gsp-groups` groups of
@@ -71,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-len", type=int, default=None)
     p.add_argument("--turns", type=int, default=None)
     p.add_argument("--clients", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=None, help="engine max_running (default: max(64, clients))")
     p.add_argument("--user-len", type=int, default=None)
     p.add_argument("--tool-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
@@ -85,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
     full = dict(preset="k3-small", memory_budget_gb=40.0, page_size=256, unit_size=512, prefill_budget=4096,
-                system_len=10240, turns=12, clients=8, user_len=200, tool_len=600, output_len=128,
+                system_len=10240, turns=12, clients=128, user_len=200, tool_len=600, output_len=128,
                 gsp_groups=50, gsp_prompts=10, gsp_system_len=10240, gsp_question_len=256, gsp_output_len=128,
                 gsp_concurrency=5)
     full.update(decode_batches="1,8,32,64", decode_context=1024, decode_steps=64)
@@ -297,7 +299,7 @@ def make_engine(model: K3ForCausalLM, args: argparse.Namespace, cache: bool, eos
         long_prefill_budget=args.prefill_budget, long_prompt_threshold=4 * args.prefill_budget,
         max_model_len=cfg.text_config.max_position_embeddings, kda_backend=args.kda_backend,
         cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
-        paged_mla_decode=paged_mla(args)), eos_id=eos)
+        paged_mla_decode=paged_mla(args), max_running=args.max_running or max(64, args.clients)), eos_id=eos)
 
 
 def paged_mla(args: argparse.Namespace) -> bool | None:
