@@ -21,6 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="tokens per forward/backward; a step accumulates gradients over micro-batches")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (under torchrun)")
     p.set_defaults(func=run)
@@ -30,7 +32,7 @@ def build_config(args: argparse.Namespace):
     from k3.train.config import TrainConfig, load_overrides
 
     d = load_overrides(args.config) if args.config else {}
-    for key in ("preset", "data", "out", "max_steps", "seed", "device"):
+    for key in ("preset", "data", "out", "max_steps", "seed", "device", "micro_batch_tokens"):
         v = getattr(args, key)
         if v is not None:
             d[key] = v

@@ -50,6 +50,24 @@ class Batch:
     seq_len: int
     batch_size: int
 
+    def split_rows(self, rows: int) -> list["Batch"]:
+        """Consecutive groups of `rows` rows (the last may be shorter), each a Batch of its own with
+        cu_seqlens re-based to 0: the micro-batches of gradient accumulation. rows >= batch_size
+        returns [self]."""
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be a positive int, got {rows!r}")
+        if rows >= self.batch_size:
+            return [self]
+        T, cu, out = self.seq_len, self.cu_seqlens, []
+        for r0 in range(0, self.batch_size, rows):
+            n = min(rows, self.batch_size - r0)
+            a, b = r0 * T, (r0 + n) * T
+            sub_cu = cu[(cu >= a) & (cu <= b)] - a  # rows start documents, so a and b are entries
+            labels = self.labels[:, a:b]
+            out.append(Batch(self.input_ids[:, a:b], labels, sub_cu.to(cu.dtype), n * T,
+                             int((labels != IGNORE_INDEX).sum()), int(sub_cu.diff().max()), T, n))
+        return out
+
     def to(self, device: torch.device | str) -> "Batch":
         """Copy of the batch with its tensors on `device` (non-blocking from pinned memory)."""
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),

@@ -35,6 +35,9 @@ class TrainConfig:
     seed: int = 0
     deterministic: bool = False
     tokens_per_step: int = 2048
+    # Tokens per forward/backward: a step accumulates gradients over micro-batches of
+    # max(1, micro_batch_tokens // seq_len) rows (None = the whole step in one forward).
+    micro_batch_tokens: int | None = None
     # Tiny default, scaled down from K3's 8K -> 64K -> 256K -> 1M.
     stages: list[Stage] = field(default_factory=lambda: [Stage(128, 0.6), Stage(512, 0.25), Stage(2048, 0.15)])
     lr: float = 4e-3  # Muon (update RMS matched to AdamW, so the same scale as AdamW's)
@@ -83,6 +86,9 @@ class TrainConfig:
         for s in self.stages:
             if s.seq_len < 2 or self.tokens_per_step % s.seq_len:
                 bad("stages", f"seq_len {s.seq_len} must be >= 2 and divide tokens_per_step={self.tokens_per_step}")
+        if self.micro_batch_tokens is not None and (not isinstance(self.micro_batch_tokens, int)
+                                                    or not 1 <= self.micro_batch_tokens <= self.tokens_per_step):
+            bad("micro_batch_tokens", f"must be None or an int in [1, tokens_per_step={self.tokens_per_step}]")
         if self.lr <= 0 or self.adamw_lr <= 0:
             bad("lr", "learning rates must be positive")
         if not 0 <= self.decay_fraction <= 1:

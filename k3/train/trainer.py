@@ -76,6 +76,9 @@ class Trainer:
         if self.model.vision is not None:
             if self.par is not None:
                 raise ValueError(f"preset {cfg.preset!r}: vision-language training under torchrun is not supported yet")
+            if cfg.micro_batch_tokens is not None and cfg.micro_batch_tokens < cfg.tokens_per_step:
+                raise ValueError(f"preset {cfg.preset!r}: micro_batch_tokens (gradient accumulation) is not "
+                                 "supported with vision-language training yet")
             self.vision = prepare_vision_data(cfg, self.data.tokenizer, self.model.vision.cfg, self.progress.message)
         if self.par is not None:
             self.par.setup(self.model)
@@ -176,11 +179,13 @@ class Trainer:
         if s == self.stage:
             return
         seq = self.cfg.stages[s].seq_len
-        self.data.loader.set_shape(seq, self.cfg.tokens_per_step // seq)
-        self.log.write({"event": "stage", "step": self.step, "stage": s, "seq_len": seq,
-                        "batch_size": self.cfg.tokens_per_step // seq})
-        self.progress.message(f"step {self.step}: context stage {s} -> seq_len {seq}, "
-                              f"batch {self.cfg.tokens_per_step // seq}")
+        B = self.cfg.tokens_per_step // seq
+        rows = min(B, max(1, (self.cfg.micro_batch_tokens or self.cfg.tokens_per_step) // seq))
+        self.data.loader.set_shape(seq, B)
+        self.log.write({"event": "stage", "step": self.step, "stage": s, "seq_len": seq, "batch_size": B,
+                        "micro_batch_rows": rows})
+        micro = f" in {-(-B // rows)} micro-batches of {rows} rows" if rows < B else ""
+        self.progress.message(f"step {self.step}: context stage {s} -> seq_len {seq}, batch {B}{micro}")
         self.stage = s
 
     def train_step(self) -> dict[str, Any]:
@@ -188,17 +193,28 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         batch = next(self.data.loader)
-        ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+        rows = self.cfg.micro_batch_tokens and max(1, self.cfg.micro_batch_tokens // batch.seq_len)
+        micro = batch.split_rows(rows) if rows else [batch]
         vb = vision_loss = None
-        with self._autocast():
-            if self.vision is not None:  # image chats packed after the text rows, one forward
-                vb = next(self.vision.loader).to(self.device)
-                objective, loss, vision_loss = joint_loss(self.model, ids, labels, cu, vb, self.cfg.vision_loss_weight)
-            elif self.par is None:
-                objective = loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
-            else:
-                objective, loss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, batch.seq_len))
-        objective.backward()
+        loss = 0.0
+        for mb in micro:
+            if len(micro) > 1 and mb.num_targets == 0:
+                continue  # nothing to learn from (its mean loss would be 0/0)
+            # each micro-batch's mean loss weighted by its share of the step's targets: the summed
+            # gradients equal those of the whole batch in one forward
+            w = mb.num_targets / batch.num_targets if len(micro) > 1 else 1.0
+            ids, labels, cu = (t.to(self.device) for t in (mb.input_ids, mb.labels, mb.cu_seqlens))
+            with self._autocast():
+                if self.vision is not None:  # image chats packed after the text rows, one forward
+                    vb = next(self.vision.loader).to(self.device)
+                    objective, mloss, vision_loss = joint_loss(self.model, ids, labels, cu, vb,
+                                                               self.cfg.vision_loss_weight)
+                elif self.par is None:
+                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                else:
+                    objective, mloss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, mb.seq_len))
+            (objective * w if len(micro) > 1 else objective).backward()
+            loss = loss + mloss.detach() * w
         if self.par is None:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         else:
@@ -216,7 +232,7 @@ class Trainer:
             lb = [v for v in self.qb.load_balance().values() if math.isfinite(v)]
             balance = max(lb) if lb else None
         dt = time.perf_counter() - t0
-        rec = {"step": self.step, "loss": loss.item(), "lr": self.base_lrs[0] * f, "grad_norm": gnorm.item(),
+        rec = {"step": self.step, "loss": float(loss), "lr": self.base_lrs[0] * f, "grad_norm": gnorm.item(),
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
         if balance is not None:
             rec["max_load_ratio"] = balance

@@ -99,6 +99,22 @@ def test_document_spanning_rows_gets_row_boundaries():
     assert (batch.labels[0] == IGNORE_INDEX).sum().item() == 1
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_split_rows_gives_the_batches_of_those_rows(rows):
+    rp = PackedRows(_stream(), 7)
+    order = [4, 0, 9, 2, 7]
+    batch = collate_rows(rp, order)
+    parts = batch.split_rows(rows)
+    assert len(parts) == -(-len(order) // rows)
+    for i, part in enumerate(parts):  # each part is exactly the batch collated from its rows
+        want = collate_rows(rp, order[i * rows:(i + 1) * rows])
+        assert _same(part, want) and part.num_targets == want.num_targets
+        assert (part.max_seqlen, part.batch_size, part.seq_len) == (want.max_seqlen, want.batch_size, 7)
+    assert sum(p.num_targets for p in parts) == batch.num_targets
+    with pytest.raises(ValueError, match="rows"):
+        batch.split_rows(0)
+
+
 def test_batch_to_device_keeps_values():
     batch = next(PackedLoader(_stream(), 8, 2))
     moved = batch.to("cpu")

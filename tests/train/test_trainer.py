@@ -57,6 +57,39 @@ def test_resume_continues_the_same_curve(corpus, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("micro", [64, 128, 200])
+def test_micro_batches_accumulate_to_the_whole_batch_step(corpus, tmp_path, micro):
+    """Gradient accumulation: a step over micro-batches (64 tokens = 1 row, 128 = 2 rows, 200 = 3 + 1
+    rows at seq_len 64) gives the same loss, gradients, update and balancing biases as one forward."""
+    kw = dict(max_steps=1, stages=[Stage(64, 1.0)], eval_every=100)
+    whole = Trainer(_cfg(corpus, tmp_path / "w", tmp_path, **kw))
+    acc = Trainer(_cfg(corpus, tmp_path / f"m{micro}", tmp_path, micro_batch_tokens=micro, **kw))
+    grads = {}
+    for name, t in (("whole", whole), ("acc", acc)):
+        step = t.opt.step
+        t.opt.step = lambda t=t, name=name, step=step: (
+            grads.__setitem__(name, {k: p.grad.clone() for k, p in t.model.named_parameters() if p.grad is not None}),
+            step())
+    ra, rb = whole.train_step(), acc.train_step()
+    assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+    assert grads["whole"].keys() == grads["acc"].keys()
+    for k, g in grads["whole"].items():
+        torch.testing.assert_close(grads["acc"][k], g, rtol=1e-4, atol=1e-6, msg=k)
+    pa, pb = dict(whole.model.named_parameters()), dict(acc.model.named_parameters())
+    for k in pa:
+        torch.testing.assert_close(pb[k], pa[k], rtol=1e-4, atol=1e-5, msg=k)
+    for k, b in whole.model.named_buffers():
+        if k.endswith("e_score_correction_bias"):
+            torch.testing.assert_close(dict(acc.model.named_buffers())[k], b, rtol=0, atol=1e-6, msg=k)
+
+
+def test_micro_batch_tokens_is_validated():
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainConfig(tokens_per_step=256, stages=[Stage(64, 1.0)], micro_batch_tokens=512).validate()
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainConfig(tokens_per_step=256, stages=[Stage(64, 1.0)], micro_batch_tokens=0).validate()
+
+
 def test_resume_refuses_a_changed_config(corpus, tmp_path):
     Trainer(_cfg(corpus, tmp_path / "c", tmp_path, max_steps=2)).run()
     with pytest.raises(ValueError, match="lr"):
