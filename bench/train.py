@@ -6,7 +6,7 @@ as the in-run baseline, with the chunked PyTorch KDA backend.
 
     python bench/train.py                       # k3-small, T = 4096 and 8192, on CUDA
     python bench/train.py --compile             # the same with the compiled elementwise regions
-    python bench/train.py --accum 4             # 4 micro-batches of --tokens per optimizer step
+    python bench/train.py --accum 1,4           # also 4 micro-batches of --tokens per optimizer step
     python bench/train.py --tiny --device cpu   # smoke run of the same code path
 
 FLOPs per token (training = 3 x forward), counted from the config:
@@ -77,8 +77,8 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     muon = sorted(opt_t)[len(opt_t) // 2]
     tok_s = accum * B * seq_len / step
     tflops = tok_s * flops_per_token(model, seq_len) / 1e12
-    return {"backend": backend, "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s, "tflops": tflops,
-            "mfu": tflops * 1e12 / ROOFLINE_BF16, "opt_share": muon / step}
+    return {"backend": backend, "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
+            "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "opt_share": muon / step}
 
 
 def main() -> None:
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; tiny 256)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default=None, help="comma-separated KDA backends (default triton,torch on CUDA)")
-    ap.add_argument("--accum", type=int, default=1, help="micro-batches (of --tokens each) per optimizer step")
+    ap.add_argument("--accum", default="1", help="comma-separated micro-batches (of --tokens each) per optimizer step")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
     args = ap.parse_args()
@@ -108,15 +108,15 @@ def main() -> None:
     total, active = model.num_parameters()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
-          f"{tokens} tokens per micro-batch, {args.accum} per step; median of {args.steps} steps; "
+          f"{tokens} tokens per micro-batch; median of {args.steps} steps; "
           f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
     print("| KDA backend | T | B | micro-batches | step ms | tokens/s | TFLOP/s | MFU | optimizer share |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for T in seq_lens:
-        for be in backends:
-            r = bench(model, opt, T, tokens, args.steps, device, be, args.accum)
-            print(f"| {r['backend']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
-                  f"{r['tflops']:.1f} | {r['mfu']:.1%} | {r['opt_share']:.1%} |", flush=True)
+    runs = [(T, be, int(a)) for T in seq_lens for be in backends for a in args.accum.split(",")]
+    for T, be, accum in runs:
+        r = bench(model, opt, T, tokens, args.steps, device, be, accum)
+        print(f"| {r['backend']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+              f"{r['tflops']:.1f} | {r['mfu']:.1%} | {r['opt_share']:.1%} |", flush=True)
 
 
 if __name__ == "__main__":
