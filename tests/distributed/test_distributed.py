@@ -79,7 +79,8 @@ def one_process(corpus, tmp_path_factory):
     return _train(corpus, tmp_path_factory.mktemp("one"), "one", [])
 
 
-@pytest.mark.parametrize("flags,port", [([], 29621), (["--ep", "2"], 29622), (["--cp", "2"], 29623)])
+@pytest.mark.parametrize("flags,port", [([], 29621), (["--ep", "2"], 29622), (["--cp", "2"], 29623),
+                                        (["--micro-batch-tokens", "128"], 29624)])
 def test_torchrun_train_matches_one_process(corpus, one_process, tmp_path, flags, port):
     two = _train(corpus, tmp_path, "two", flags, port=port)
     assert len(one_process) == len(two) == 4
