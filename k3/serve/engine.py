@@ -29,6 +29,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
+from k3.serve.speculative import SpeculativeDecoder
 
 
 @dataclass
@@ -46,6 +47,9 @@ class EngineConfig:
     static_decode: run the graphs' static-shape decode path eagerly where graphs are not used (tests).
     paged_mla_decode: decode MLA attention by the paged Triton kernel (`k3.ops.mla_decode`), which
     reads each row's pages in place; None = on CUDA. False = gather the pages and attend densely.
+    speculative_ngram: draft length k of prompt-lookup speculative decoding (0 = off); drafts come
+    from the longest earlier match of the context's last speculative_min_match..max_match tokens
+    (`k3.serve.speculative`; exact for greedy and sampled requests).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -69,6 +73,9 @@ class EngineConfig:
     cuda_graph_max_len: int = 16384
     static_decode: bool = False
     paged_mla_decode: bool | None = None
+    speculative_ngram: int = 0
+    speculative_min_match: int = 2
+    speculative_max_match: int = 4
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -76,10 +83,17 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap"):
+        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
+        for name in ("speculative_min_match", "speculative_max_match"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
+        if self.speculative_max_match < self.speculative_min_match:
+            raise ValueError(f"EngineConfig.speculative_max_match ({self.speculative_max_match}) must be >= "
+                             f"speculative_min_match ({self.speculative_min_match})")
         return self
 
 
@@ -169,6 +183,8 @@ class Engine:
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
                                    use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
+        self.spec = (SpeculativeDecoder(self, cfg.speculative_ngram, cfg.speculative_min_match,
+                                        cfg.speculative_max_match) if cfg.speculative_ngram else None)
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -276,8 +292,13 @@ class Engine:
         touched: list[Request] = []
         if plan.prefill:
             touched += self._run(plan.prefill, decode=False)
-        if plan.decode:
-            touched += self._run([(r, 1) for r in plan.decode], decode=True)
+        decode = plan.decode
+        if decode and self.spec is not None:  # requests with drafts verify them (eagerly), the rest decode
+            decode, drafted = self.spec.split(decode)
+            if drafted:
+                touched += self.spec.run(drafted)
+        if decode:
+            touched += self._run([(r, 1) for r in decode], decode=True)
         self.metrics.steps += 1
         return [o for o in (self._output(r) for r in touched) if o is not None]
 
@@ -341,6 +362,13 @@ class Engine:
             r.num_computed += n
 
     def _on_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> None:
+        reason = self._append_token(req, tok, lp, top)
+        if reason is not None:
+            self._finish(req, reason)
+
+    def _append_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> str | None:
+        """Record one sampled token; returns the finish reason it causes (the caller finishes the
+        request: the verify path first rolls its state back to the accepted position)."""
         now = time.time()
         req.tokens.append(tok)
         req.out_ids.append(tok)
@@ -352,11 +380,12 @@ class Engine:
         p = req.params
         if (not p.ignore_eos and tok == self.eos_id) or tok in p.stop_token_ids:
             req.stop_id_hit = True
-            self._finish(req, "stop")
-        elif req.detok.add(tok):
-            self._finish(req, "stop")
-        elif len(req.out_ids) >= req.max_sampled or len(req.tokens) >= self.max_model_len:
-            self._finish(req, "length")
+            return "stop"
+        if req.detok.add(tok):
+            return "stop"
+        if len(req.out_ids) >= req.max_sampled or len(req.tokens) >= self.max_model_len:
+            return "length"
+        return None
 
     def _finish(self, req: Request, reason: str, *, donate: bool = True, error: str | None = None) -> None:
         req.status, req.finish_reason, req.finish_time = "finished", reason, time.time()

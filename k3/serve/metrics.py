@@ -26,6 +26,14 @@ class EngineMetrics:
     decode_rows: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # speculative decoding (k3.serve.speculative): drafts proposed / accepted, verify forwards and their
+    # rows, second forwards that rolled a partly rejected run back, wall seconds of the verify path
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_forwards: int = 0
+    spec_verify_rows: int = 0
+    spec_rerun_forwards: int = 0
+    spec_verify_seconds: float = 0.0
 
     def observe_forward(self, decode: bool, rows: int, seconds: float) -> None:
         if decode:
@@ -57,6 +65,11 @@ class EngineMetrics:
             "prefill_forwards": self.prefill_forwards, "decode_forwards": self.decode_forwards,
             "decode_rows": self.decode_rows, "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_verify_forwards": self.spec_verify_forwards, "spec_verify_rows": self.spec_verify_rows,
+            "spec_rerun_forwards": self.spec_rerun_forwards, "spec_verify_seconds": self.spec_verify_seconds,
+            "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_draft_tokens
+                                     if self.spec_draft_tokens else 0.0),
         }
 
 
@@ -68,6 +81,13 @@ _HELP = {
     "decode_rows": ("counter", "Rows summed over decode forwards (mean decode batch = decode_rows / decode_forwards)"),
     "prefill_seconds": ("counter", "Wall seconds in prefill forwards and their sampling"),
     "decode_seconds": ("counter", "Wall seconds in decode forwards and their sampling"),
+    "spec_draft_tokens": ("counter", "Speculative draft tokens proposed (and verified)"),
+    "spec_accepted_tokens": ("counter", "Speculative draft tokens accepted by the target model"),
+    "spec_acceptance_rate": ("gauge", "spec_accepted_tokens / spec_draft_tokens"),
+    "spec_verify_forwards": ("counter", "Speculative verify forwards"),
+    "spec_verify_rows": ("counter", "Requests summed over speculative verify forwards"),
+    "spec_rerun_forwards": ("counter", "Second forwards that recompute the accepted prefix after a rejection"),
+    "spec_verify_seconds": ("counter", "Wall seconds in the speculative verify path (forwards and acceptance)"),
     "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),
     "prompt_tokens": ("counter", "Prompt tokens of finished requests"),

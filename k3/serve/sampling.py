@@ -84,10 +84,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
     vocab_limit: ids >= vocab_limit are never sampled (the tokenizer may be smaller than the model).
     """
     n = logits.shape[0]
-    logits = logits.float()
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits = logits.clone()
-        logits[:, vocab_limit:] = float("-inf")
+    logits = limit_vocab(logits, vocab_limit)
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -97,14 +94,31 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
     if sampled:
         s = torch.tensor(sampled, device=logits.device)
         out[s] = _sample_rows(logits[s], [params[i] for i in sampled], [rngs[i] for i in sampled])
-    ids = out.tolist()
+    lps, tops = token_logprobs(logits, out, params)
+    return SampleResult(out.tolist(), lps, tops)
+
+
+def limit_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    """logits [N, vocab] -> float32 logits with ids >= vocab_limit at -inf (a copy when changed)."""
+    logits = logits.float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, vocab_limit:] = float("-inf")
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+                   ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """The model's log-probabilities of the chosen tokens: logits [N, vocab] float32 (vocab-limited),
+    token_ids [N] long -> (logprob per row, top-n (id, logprob) per row); None rows where not asked."""
+    n = logits.shape[0]
     lps: list[float | None] = [None] * n
     tops: list[list[tuple[int, float]] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         w = torch.tensor(want, device=logits.device)
         lsm = torch.log_softmax(logits[w], dim=-1)
-        chosen = lsm.gather(-1, out[w, None]).squeeze(-1).tolist()
+        chosen = lsm.gather(-1, token_ids[w, None]).squeeze(-1).tolist()
         kmax = max(params[i].logprobs for i in want)
         top_v, top_i = (lsm.topk(kmax, dim=-1) if kmax else (lsm[:, :0], lsm[:, :0].long()))
         top_v, top_i = top_v.tolist(), top_i.tolist()
@@ -112,11 +126,12 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
             k = params[i].logprobs
             lps[i] = chosen[r]
             tops[i] = list(zip(top_i[r][:k], top_v[r][:k]))
-    return SampleResult(ids, lps, tops)
+    return lps, tops
 
 
-def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> torch.Tensor:
-    """Temperature, top-k, top-p, then inverse-CDF sampling with one uniform per row. [M, V] -> [M]."""
+def _filtered_sorted(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p: logits [M, V] -> (unnormalised kept probabilities [M, V] in
+    descending order, zero where dropped; the vocabulary order [M, V] long). Params must not be greedy."""
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
     sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
@@ -127,7 +142,29 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
     # keep the smallest prefix whose mass reaches top_p (always at least the best token)
     drop = (rank >= top_k[:, None]) | ((probs.cumsum(-1) - probs) >= top_p[:, None])
     drop[:, 0] = False
-    probs = probs.masked_fill(drop, 0.0)
+    return probs.masked_fill(drop, 0.0), order
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample_batch` draws from: logits [M, V] float32 (vocab-limited), sampled
+    (non-greedy) params per row -> probabilities [M, V] float32 in vocabulary order, rows summing to 1."""
+    probs, order = _filtered_sorted(logits, params)
+    p = torch.zeros_like(probs).scatter_(-1, order, probs)
+    return p / p.sum(-1, keepdim=True)
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from probs [V] (non-negative, any positive total) with the uniform u in [0, 1)."""
+    cdf = probs.cumsum(-1)
+    pick = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
+    # rounding at the top end must never land on a zero-probability id
+    return min(pick, int((probs > 0).nonzero()[-1]))
+
+
+def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then inverse-CDF sampling with one uniform per row. [M, V] -> [M]."""
+    dev = logits.device
+    probs, order = _filtered_sorted(logits, params)
     cdf = probs.cumsum(-1)
     u = torch.tensor([r.random() for r in rngs], device=dev, dtype=torch.float32)
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)

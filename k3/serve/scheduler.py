@@ -141,6 +141,16 @@ class Scheduler:
         if need > 0:
             req.pages.extend(self._alloc(need, pages=True))
 
+    def reserve(self, req: Request, upto: int) -> bool:
+        """Opportunistically extend req.pages to cover positions [0, upto) (speculative drafts) from
+        free blocks only: never evicts a checkpoint or preempts. False (nothing taken) if short."""
+        first = req.num_computed // self.layout.page_size
+        cow = first < req.shared_pages and self.pool.refcount[req.pages[first]] > 1
+        if self.layout.pages_for(upto) - len(req.pages) + cow > self.pool.num_free:
+            return False
+        self._ensure_pages(req, upto)
+        return True
+
     def release(self, req: Request, *, donate: bool) -> None:
         """Free a running request's slot and pages; with donate, its state becomes a checkpoint."""
         if req in self.running:

@@ -1,0 +1,231 @@
+"""Speculative decoding v1: prompt-lookup (n-gram) drafts, chain verification, lossless acceptance.
+
+A decoding request whose recent tokens repeat something earlier in its context (code edits, quoted
+documents, tool results read back) gets up to k draft tokens from `NgramProposer`. The target model
+then runs once over [last, d1..dk] (a prefill-like forward on the existing context with logits at
+every position) and `accept_draft` keeps the longest prefix of the drafts the target agrees with,
+plus one token the target picks itself (the correction at the first rejection, or a bonus token
+after k acceptances): up to k + 1 tokens for one forward.
+
+Rolling back the hybrid cache (spec section 7):
+* MLA latents: the verify forward writes latents at every draft position; attention reads only the
+  first `num_computed` rows of a request's pages (`PagedBatchCache` past + new lengths), so rows of
+  rejected drafts are dead and are overwritten when real tokens reach those positions. Pages
+  allocated for them stay with the request until it is released.
+* KDA recurrent state + conv tail: overwritten in place by every token, so the verifying rows'
+  slots are snapshotted before the forward; when fewer than k + 1 tokens are kept (a rejection, or
+  a stop / max_tokens inside the run) the snapshot is restored and the kept tokens are run again, so
+  the slot holds exactly the state after the kept prefix. That second forward is the cost of this
+  simple design; per-position states from the recurrent kernel (`fused_recurrent_kda` with
+  intermediate states + `commit_states`) would make rollback a slot selection instead.
+* Prefix-cache checkpoints are taken only from that rolled-back state (a finishing request donates
+  its slot after the rollback), so no checkpoint ever lies inside a rejected draft.
+
+Acceptance is exact: greedy rows reproduce plain greedy decoding token for token; sampled rows draw
+from the same target distribution p as `sample_batch` (temperature, top-k, top-p), because a
+deterministic proposer is a point mass q: the draft x is accepted with probability p(x), and on
+rejection the token is drawn from p with x removed, renormalised (Leviathan et al. 2023).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from k3.serve.cache_manager import PagedBatchCache
+from k3.serve.sampling import SamplingParams, limit_vocab, sample_from, target_probs, token_logprobs
+
+if TYPE_CHECKING:
+    from k3.serve.engine import Engine
+    from k3.serve.scheduler import Request
+
+
+class NgramProposer:
+    """Prompt-lookup drafts: the longest suffix of the tokens (min_match..max_match tokens long) that
+    occurred earlier in them, and the up-to-max_draft tokens that followed its most recent earlier
+    occurrence."""
+
+    def __init__(self, max_draft: int, min_match: int, max_match: int) -> None:
+        for name, v in (("max_draft", max_draft), ("min_match", min_match), ("max_match", max_match)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"NgramProposer {name} must be a positive integer, got {v!r}")
+        if max_match < min_match:
+            raise ValueError(f"NgramProposer max_match ({max_match}) must be >= min_match ({min_match})")
+        self.max_draft, self.min_match, self.max_match = max_draft, min_match, max_match
+
+    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
+        """Draft tokens to follow `tokens` (at most min(max_draft, limit)); [] when nothing matches."""
+        limit = self.max_draft if limit is None else min(limit, self.max_draft)
+        n = len(tokens)
+        if limit < 1 or n < self.min_match + 1:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        ends = np.flatnonzero(arr[:-1] == arr[-1])  # where an earlier occurrence of the suffix could end
+        if ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)  # matched suffix length at each candidate end
+        alive = np.ones(ends.size, dtype=bool)
+        for t in range(1, min(self.max_match, n - 1)):
+            alive &= ends >= t
+            alive[alive] = arr[ends[alive] - t] == arr[n - 1 - t]
+            length += alive
+            if not alive.any():
+                break
+        best = int(length.max())
+        if best < self.min_match:
+            return []
+        end = int(ends[length == best].max())  # the most recent occurrence of the longest suffix
+        return arr[end + 1: end + 1 + limit].tolist()
+
+
+def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
+                 rng: random.Random) -> tuple[list[int], int]:
+    """Chain acceptance for one request. logits: [k + 1, V] float32 (vocab-limited) where row j is
+    the target's prediction after the draft's first j tokens; draft: k token ids from a
+    deterministic proposer. Returns (tokens to emit: the accepted drafts then one target token,
+    number of drafts accepted).
+
+    Greedy: accept while the draft equals the argmax; the emitted token after is the argmax.
+    Sampling (p = `target_probs`, the distribution `sample_batch` draws from): draft x is accepted
+    with probability p(x) (min(1, p/q) with q a point mass); on rejection the token is drawn from p
+    with x zeroed, renormalised; after k acceptances a bonus token is drawn from p. Uniforms come
+    from the request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
+    """
+    k = len(draft)
+    if logits.shape[0] != k + 1:
+        raise ValueError(f"logits must have len(draft) + 1 = {k + 1} rows, got {logits.shape[0]}")
+    if params.greedy:
+        best = logits.argmax(-1).tolist()
+        n = 0
+        while n < k and draft[n] == best[n]:
+            n += 1
+        return list(draft[:n]) + [best[n]], n
+    p = target_probs(logits, [params] * (k + 1))
+    p_draft = p[torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)].tolist()
+    for j in range(k):
+        if rng.random() < p_draft[j]:
+            continue
+        residual = p[j].clone()
+        residual[draft[j]] = 0.0
+        return list(draft[:j]) + [sample_from(residual, rng.random())], j
+    return list(draft) + [sample_from(p[k], rng.random())], k
+
+
+class SpeculativeDecoder:
+    """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
+    emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
+
+    def __init__(self, engine: "Engine", num_draft: int, min_match: int, max_match: int) -> None:
+        self.engine = engine
+        self.proposer = NgramProposer(num_draft, min_match, max_match)
+
+    def split(self, decode: list["Request"]) -> tuple[list["Request"], list[tuple["Request", list[int]]]]:
+        """Decode requests -> (those for a plain decode step, (request, drafts) for verification).
+
+        A draft never reaches past what the request may still emit (its bonus token included) nor past
+        the context limit, and takes pages only from free blocks (no eviction, no preemption)."""
+        eng = self.engine
+        plain, drafted = [], []
+        for r in decode:
+            room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
+            d = self.proposer.propose(r.tokens, room) if r.slot is not None and r.pending == 1 else []
+            if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
+                drafted.append((r, d))
+            else:
+                plain.append(r)
+        return plain, drafted
+
+    def run(self, drafted: list[tuple["Request", list[int]]]) -> list["Request"]:
+        """Verify, accept and emit for every (request, drafts); returns the requests touched."""
+        eng, m = self.engine, self.engine.metrics
+        start = time.perf_counter()
+        reqs = [r for r, _ in drafted]
+        try:
+            snapshot = eng.pool.read_slots([r.slot for r in reqs]) if eng.layout.kda_layers else None
+            logits = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d in drafted])
+        except Exception as e:  # a failed forward fails its requests, never the engine
+            for r in reqs:
+                eng._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+            return reqs
+        logits = limit_vocab(logits, eng.vocab_limit)
+        redo: list[tuple[int, int]] = []  # (row, tokens to keep computed)
+        finished: list[tuple["Request", str]] = []
+        off = 0
+        for i, (r, d) in enumerate(drafted):
+            rows = logits[off: off + len(d) + 1]
+            off += len(d) + 1
+            toks, accepted = accept_draft(rows, d, r.params, r.rng)
+            m.spec_draft_tokens += len(d)
+            m.spec_accepted_tokens += accepted
+            kept, reason = self._emit(r, rows, toks)
+            if reason is not None:
+                finished.append((r, reason))
+            # the state must be the one after [last, kept - 1 emitted tokens]; a request that finishes
+            # needs it only to donate it to the prefix cache
+            if kept < len(d) + 1 and (reason is None or eng.prefix is not None):
+                redo.append((i, kept))
+            else:
+                self._advance(r, kept)
+        m.spec_verify_forwards += 1
+        m.spec_verify_rows += len(drafted)
+        if redo:
+            self._rollback(drafted, snapshot, redo)
+        for r, reason in finished:
+            if r.status != "finished":
+                eng._finish(r, reason)
+        m.spec_verify_seconds += time.perf_counter() - start
+        return reqs
+
+    def _emit(self, r: "Request", rows: torch.Tensor, toks: list[int]) -> tuple[int, str | None]:
+        """Append the accepted tokens one by one until the request finishes -> (tokens kept, reason)."""
+        n = len(toks)
+        lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
+        for j, t in enumerate(toks):
+            reason = self.engine._append_token(r, t, lps[j], tops[j])
+            if reason is not None:
+                return j + 1, reason
+        return n, None
+
+    def _advance(self, r: "Request", n: int) -> None:
+        # prompt tokens computed here: only the prompt's last one, on the first decode after prefill
+        self.engine.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
+        r.num_computed += n
+
+    def _rollback(self, drafted: list[tuple["Request", list[int]]], snapshot, redo: list[tuple[int, int]]) -> None:
+        """Restore the pre-verify KDA slots of the `redo` rows and recompute their kept tokens."""
+        eng = self.engine
+        reqs = [drafted[i][0] for i, _ in redo]
+        if snapshot is not None:
+            idx = torch.tensor([i for i, _ in redo], device=eng.pool.device)
+            states, tails = snapshot
+            eng.pool.write_slots([r.slot for r in reqs], {k: v[idx] for k, v in states.items()},
+                                 {k: v[idx] for k, v in tails.items()})
+        try:
+            self._forward([(r, r.tokens[r.num_computed: r.num_computed + n]) for r, (_, n) in zip(reqs, redo)],
+                          logits=False)
+        except Exception as e:
+            for r in reqs:
+                eng._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+            return
+        eng.metrics.spec_rerun_forwards += 1
+        for r, (_, n) in zip(reqs, redo):
+            self._advance(r, n)
+
+    def _forward(self, rows: list[tuple["Request", list[int]]], *, logits: bool = True) -> torch.Tensor | None:
+        """Run each request's `ids` from position num_computed (packed rows, weight-absorbed MLA as in
+        decode) and commit the KDA state; returns logits [sum of lengths, vocab] at every position.
+        num_computed is left alone (the caller advances it by what it keeps)."""
+        eng = self.engine
+        reqs = [r for r, _ in rows]
+        ns = [len(ids) for _, ids in rows]
+        cache = PagedBatchCache(eng.pool, [r.pages for r in reqs], [r.slot for r in reqs],
+                                [r.num_computed for r in reqs], ns, absorb_mla=True, paged_mla=eng.paged_mla)
+        ids = torch.tensor([t for _, seq in rows for t in seq], device=eng.device)[None]
+        cu = torch.tensor([0] + ns, device=eng.device).cumsum(0)
+        h, _ = eng.model.model(ids, cu_seqlens=cu, cache=cache)
+        cache.commit()
+        return eng.model.lm_head(h[0]) if logits else None
