@@ -37,6 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs)")
     p.add_argument("--cuda-graph-max-len", type=int, default=16384,
                    help="contexts up to this many tokens decode in CUDA graphs, longer ones eagerly")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
+                   help="speculative decoding with K prompt-lookup (n-gram) draft tokens per step; 0 = off")
+    p.add_argument("--speculative-min-match", type=int, default=2,
+                   help="shortest context suffix (tokens) an n-gram draft must match")
+    p.add_argument("--speculative-max-match", type=int, default=4,
+                   help="longest context suffix (tokens) tried for an n-gram draft")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the elementwise regions (fused norms, activations, AttnRes, router); "
                         "on CUDA the compiled kernels are captured in the decode graphs")
@@ -99,7 +105,9 @@ def build(args: argparse.Namespace):
                        enable_prefix_cache=not args.no_prefix_cache, checkpoint_every_units=args.checkpoint_every_units,
                        max_running=args.max_running, max_waiting=args.max_waiting, max_model_len=args.max_model_len,
                        short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget,
-                       cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len)
+                       cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
+                       speculative_ngram=args.speculative_ngram, speculative_min_match=args.speculative_min_match,
+                       speculative_max_match=args.speculative_max_match)
     engine = Engine(model, tokenizer, cfg)
     names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
     scfg = ServerConfig(model_names=names, default_max_tokens=args.default_max_tokens,
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"k3 serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 "
           f"(cache {engine.pool.usable} blocks x {engine.layout.block_bytes} B, "
           f"prefix cache {'on' if engine.prefix is not None else 'off'}, "
+          f"speculative {'ngram k=%d' % args.speculative_ngram if engine.spec is not None else 'off'}, "
           f"images {'on' if engine.vision is not None else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

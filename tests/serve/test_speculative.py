@@ -263,3 +263,19 @@ def test_kda_state_after_verify_equals_plain_decoding(model, spoil):
     while "r" in eng.requests:
         eng.step()
     assert req.out_ids == ref
+
+
+def test_serve_cli_speculative_flags(tokenizer, capsys):
+    from k3.cli import build_parser
+    from k3.cli.serve import build
+
+    base = ["serve", "--preset", "k3-tiny", "--tokenizer", tokenizer.directory, "--memory-budget-mb", "16",
+            "--threads", "1", "--device", "cpu"]
+    args = build_parser().parse_args(base + ["--speculative-ngram", "3", "--speculative-max-match", "5"])
+    _, eng = build(args)
+    p = eng.spec.proposer
+    assert (p.max_draft, p.min_match, p.max_match) == (3, 2, 5)
+    assert build(build_parser().parse_args(base))[1].spec is None
+    bad = build_parser().parse_args(base + ["--speculative-ngram", "-2"])
+    assert bad.func(bad) == 2
+    assert "speculative_ngram" in capsys.readouterr().err
