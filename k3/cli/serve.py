@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"k3 serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 "
           f"(cache {engine.pool.usable} blocks x {engine.layout.block_bytes} B, "
           f"prefix cache {'on' if engine.prefix is not None else 'off'}, "
-          f"speculative {'ngram k=%d' % args.speculative_ngram if engine.spec is not None else 'off'}, "
+          f"speculative {f'ngram k={args.speculative_ngram}' if engine.spec is not None else 'off'}, "
           f"images {'on' if engine.vision is not None else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -119,11 +120,11 @@ class SpeculativeDecoder:
     """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
     emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
 
-    def __init__(self, engine: "Engine", num_draft: int, min_match: int, max_match: int) -> None:
+    def __init__(self, engine: Engine, num_draft: int, min_match: int, max_match: int) -> None:
         self.engine = engine
         self.proposer = NgramProposer(num_draft, min_match, max_match)
 
-    def split(self, decode: list["Request"]) -> tuple[list["Request"], list[tuple["Request", list[int]]]]:
+    def split(self, decode: list[Request]) -> tuple[list[Request], list[tuple[Request, list[int]]]]:
         """Decode requests -> (those for a plain decode step, (request, drafts) for verification).
 
         A draft never reaches past what the request may still emit (its bonus token included) nor past
@@ -139,7 +140,7 @@ class SpeculativeDecoder:
                 plain.append(r)
         return plain, drafted
 
-    def run(self, drafted: list[tuple["Request", list[int]]]) -> list["Request"]:
+    def run(self, drafted: list[tuple[Request, list[int]]]) -> list[Request]:
         """Verify, accept and emit for every (request, drafts); returns the requests touched."""
         eng, m = self.engine, self.engine.metrics
         start = time.perf_counter()
@@ -153,7 +154,7 @@ class SpeculativeDecoder:
             return reqs
         logits = limit_vocab(logits, eng.vocab_limit)
         redo: list[tuple[int, int]] = []  # (row, tokens to keep computed)
-        finished: list[tuple["Request", str]] = []
+        finished: list[tuple[Request, str]] = []
         off = 0
         for i, (r, d) in enumerate(drafted):
             rows = logits[off: off + len(d) + 1]
@@ -180,7 +181,7 @@ class SpeculativeDecoder:
         m.spec_verify_seconds += time.perf_counter() - start
         return reqs
 
-    def _emit(self, r: "Request", rows: torch.Tensor, toks: list[int]) -> tuple[int, str | None]:
+    def _emit(self, r: Request, rows: torch.Tensor, toks: list[int]) -> tuple[int, str | None]:
         """Append the accepted tokens one by one until the request finishes -> (tokens kept, reason)."""
         n = len(toks)
         lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
@@ -190,12 +191,12 @@ class SpeculativeDecoder:
                 return j + 1, reason
         return n, None
 
-    def _advance(self, r: "Request", n: int) -> None:
+    def _advance(self, r: Request, n: int) -> None:
         # prompt tokens computed here: only the prompt's last one, on the first decode after prefill
         self.engine.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
         r.num_computed += n
 
-    def _rollback(self, drafted: list[tuple["Request", list[int]]], snapshot, redo: list[tuple[int, int]]) -> None:
+    def _rollback(self, drafted: list[tuple[Request, list[int]]], snapshot, redo: list[tuple[int, int]]) -> None:
         """Restore the pre-verify KDA slots of the `redo` rows and recompute their kept tokens."""
         eng = self.engine
         reqs = [drafted[i][0] for i, _ in redo]
@@ -207,7 +208,7 @@ class SpeculativeDecoder:
         try:
             self._forward([(r, r.tokens[r.num_computed: r.num_computed + n]) for r, (_, n) in zip(reqs, redo)],
                           logits=False)
-        except Exception as e:
+        except Exception as e:  # as above: only these requests fail
             for r in reqs:
                 eng._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
             return
@@ -215,7 +216,7 @@ class SpeculativeDecoder:
         for r, (_, n) in zip(reqs, redo):
             self._advance(r, n)
 
-    def _forward(self, rows: list[tuple["Request", list[int]]], *, logits: bool = True) -> torch.Tensor | None:
+    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True) -> torch.Tensor | None:
         """Run each request's `ids` from position num_computed (packed rows, weight-absorbed MLA as in
         decode) and commit the KDA state; returns logits [sum of lengths, vocab] at every position.
         num_computed is left alone (the caller advances it by what it keeps)."""

@@ -31,9 +31,9 @@ class SmallVocab:
 
 
 def _engine(model, k: int, **overrides) -> Engine:
-    cfg = dict(memory_budget_bytes=16 << 20, page_size=8, unit_size=8, checkpoint_every_units=4,
-               checkpoint_min_gap=2, max_model_len=1024, speculative_ngram=k, speculative_min_match=1,
-               speculative_max_match=3, enable_prefix_cache=False)
+    cfg = {"memory_budget_bytes": 16 << 20, "page_size": 8, "unit_size": 8, "checkpoint_every_units": 4,
+           "checkpoint_min_gap": 2, "max_model_len": 1024, "speculative_ngram": k, "speculative_min_match": 1,
+           "speculative_max_match": 3, "enable_prefix_cache": False}
     cfg.update(overrides)
     return Engine(model, SmallVocab(), EngineConfig(**cfg))
 
@@ -79,15 +79,15 @@ def test_ngram_proposer_longest_most_recent_match_and_cap():
     strict = NgramProposer(max_draft=4, min_match=3, max_match=4)
     assert strict.propose([1, 2, 3, 4, 0, 2, 3]) == []  # a 2-token match is below min_match
     assert strict.propose([1, 2, 3, 4, 0, 1, 2, 3]) == [4, 0, 1, 2]
-    for bad in (dict(max_draft=0, min_match=1, max_match=1), dict(max_draft=2, min_match=3, max_match=2)):
+    for bad in ({"max_draft": 0, "min_match": 1, "max_match": 1}, {"max_draft": 2, "min_match": 3, "max_match": 2}):
         with pytest.raises(ValueError, match="NgramProposer"):
             NgramProposer(**bad)
 
 
 def test_engine_config_validates_speculative_fields(model):
-    for bad, field in ((dict(speculative_ngram=-1), "speculative_ngram"),
-                       (dict(speculative_min_match=0), "speculative_min_match"),
-                       (dict(speculative_min_match=3, speculative_max_match=2), "speculative_max_match")):
+    for bad, field in (({"speculative_ngram": -1}, "speculative_ngram"),
+                       ({"speculative_min_match": 0}, "speculative_min_match"),
+                       ({"speculative_min_match": 3, "speculative_max_match": 2}, "speculative_max_match")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**bad).validate()
 
@@ -207,6 +207,21 @@ def test_sampling_with_speculation_is_valid_and_reproducible(model):
         assert all(0 <= t < V for t in o.token_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp, _ in o.logprobs)
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+
+
+def test_sampled_path_with_a_point_mass_target_equals_greedy(model):
+    """top_k=1 makes the sampled target distribution a point mass on the argmax: the sampled
+    acceptance path (accept with prob p(x), residual draws, bonus draws) must then reproduce greedy
+    decoding exactly, with drafts from the true continuation accepted and the spoiled ones rejected."""
+    rng = random.Random(5)
+    prompts = [_repetitive(rng, 4, 3), [rng.randrange(V - 1) for _ in range(7)]]
+    ref = _engine(model, 0).generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    eng = _engine(model, 4)
+    eng.spec.proposer = Oracle([p + o.token_ids for p, o in zip(prompts, ref)], bad=2)
+    out = eng.generate(prompts, SamplingParams(temperature=0.9, top_k=1, max_tokens=20, ignore_eos=True, seed=3))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    s = _spec_stats(eng)
+    assert 0 < s["spec_accepted_tokens"] < s["spec_draft_tokens"] and s["spec_rerun_forwards"] > 0
 
 
 def test_prefix_cache_with_speculation_matches_cold(model):
