@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -58,8 +59,9 @@ class NgramProposer:
             raise ValueError(f"NgramProposer max_match ({max_match}) must be >= min_match ({min_match})")
         self.max_draft, self.min_match, self.max_match = max_draft, min_match, max_match
 
-    def propose(self, tokens: Sequence[int], limit: int | None = None) -> list[int]:
-        """Draft tokens to follow `tokens` (at most min(max_draft, limit)); [] when nothing matches."""
+    def propose(self, tokens: Sequence[int] | np.ndarray, limit: int | None = None) -> list[int]:
+        """Draft tokens to follow `tokens` (ids, or an int64 array of them; at most min(max_draft,
+        limit) drafts); [] when nothing matches."""
         limit = self.max_draft if limit is None else min(limit, self.max_draft)
         n = len(tokens)
         if limit < 1 or n < self.min_match + 1:
@@ -116,6 +118,27 @@ def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingPar
     return list(draft) + [sample_from(p[k], rng.random())], k
 
 
+class TokenArray:
+    """An int64 numpy copy of a growing token list, extended by the new tokens only (the proposer
+    would otherwise convert a long context's whole list every step)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.int64)
+        self.n = 0
+
+    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+        """tokens must extend what the previous call saw (a request's tokens are only appended)."""
+        m = len(tokens)
+        if m > self.buf.size:
+            grown = np.empty(max(m, 2 * self.buf.size), dtype=np.int64)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        if m > self.n:
+            self.buf[self.n: m] = tokens[self.n: m]
+        self.n = m
+        return self.buf[:m]
+
+
 class SpeculativeDecoder:
     """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
     emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
@@ -123,6 +146,7 @@ class SpeculativeDecoder:
     def __init__(self, engine: Engine, num_draft: int, min_match: int, max_match: int) -> None:
         self.engine = engine
         self.proposer = NgramProposer(num_draft, min_match, max_match)
+        self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> TokenArray
 
     def split(self, decode: list[Request]) -> tuple[list[Request], list[tuple[Request, list[int]]]]:
         """Decode requests -> (those for a plain decode step, (request, drafts) for verification).
@@ -133,12 +157,18 @@ class SpeculativeDecoder:
         plain, drafted = [], []
         for r in decode:
             room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
-            d = self.proposer.propose(r.tokens, room) if r.slot is not None and r.pending == 1 else []
+            d = self.proposer.propose(self._tokens(r), room) if r.slot is not None and r.pending == 1 else []
             if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
                 drafted.append((r, d))
             else:
                 plain.append(r)
         return plain, drafted
+
+    def _tokens(self, r: Request) -> np.ndarray:
+        arr = self._arrays.get(r)
+        if arr is None:
+            arr = self._arrays[r] = TokenArray()
+        return arr.sync(r.tokens)
 
     def run(self, drafted: list[tuple[Request, list[int]]]) -> list[Request]:
         """Verify, accept and emit for every (request, drafts); returns the requests touched."""

@@ -16,7 +16,7 @@ import torch
 
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.sampling import SamplingParams, target_probs
-from k3.serve.speculative import NgramProposer, accept_draft
+from k3.serve.speculative import NgramProposer, TokenArray, accept_draft
 
 V = 32
 
@@ -50,7 +50,8 @@ class Oracle:
     def __init__(self, full: list[list[int]], bad: int = 3) -> None:
         self.full, self.bad, self.calls = full, bad, 0
 
-    def propose(self, tokens: list[int], limit: int | None = None) -> list[int]:
+    def propose(self, tokens, limit: int | None = None) -> list[int]:
+        tokens = [int(t) for t in tokens]
         limit = 4 if limit is None else min(limit, 4)
         for seq in self.full:
             if seq[: len(tokens)] == tokens:
@@ -76,6 +77,12 @@ def test_ngram_proposer_longest_most_recent_match_and_cap():
     assert p.propose([1, 2, 3, 1, 2], limit=0) == []
     assert p.propose([5, 1, 2, 3, 4, 6, 7, 5]) == [1, 2, 3]  # capped at max_draft
     assert p.propose([7, 7, 7]) == [7]  # overlapping occurrence: only the tokens that exist follow
+    # the engine passes an incrementally grown int64 array of the request's tokens
+    arr, toks, rng = TokenArray(), [], random.Random(0)
+    for _ in range(40):
+        toks += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        view = arr.sync(toks)
+        assert view.tolist() == toks and p.propose(view) == p.propose(toks)
     strict = NgramProposer(max_draft=4, min_match=3, max_match=4)
     assert strict.propose([1, 2, 3, 4, 0, 2, 3]) == []  # a 2-token match is below min_match
     assert strict.propose([1, 2, 3, 4, 0, 1, 2, 3]) == [4, 0, 1, 2]
