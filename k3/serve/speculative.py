@@ -226,8 +226,11 @@ class SpeculativeDecoder:
         self.engine.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
         r.num_computed += n
 
-    def _rollback(self, drafted: list[tuple[Request, list[int]]], snapshot, redo: list[tuple[int, int]]) -> None:
-        """Restore the pre-verify KDA slots of the `redo` rows and recompute their kept tokens."""
+    def _rollback(self, drafted: list[tuple[Request, list[int]]],
+                  snapshot: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None,
+                  redo: list[tuple[int, int]]) -> None:
+        """Restore the pre-verify KDA slots of the `redo` rows (snapshot: `BlockPool.read_slots` of all
+        verify rows, {layer: [N, H, K, V] fp32}, {layer: [N, W-1, C]}) and recompute their kept tokens."""
         eng = self.engine
         reqs = [drafted[i][0] for i, _ in redo]
         if snapshot is not None:
