@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda   (default: all)
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla
+#                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
 # (set here); the device machine has torch + triton but not fastapi/openai, so the HTTP-server tests
@@ -35,7 +36,17 @@ for s in $sections; do
     kda)
       python bench/kda.py --quick --sections train,decode 2>&1 | quiet > "$OUT/kda.txt"
       grep -E "^\|" "$OUT/kda.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda)"; exit 2 ;;
+    trainprof)  # where a compiled k3-small training step spends its time
+      python bench/profile_step.py --phases train,optim --compile --rows 40 2>&1 | quiet > "$OUT/trainprof.txt"
+      grep -E "^## " "$OUT/trainprof.txt" ;;
+    kdafla)  # k3 vs fla training rows in one process; fla's autotune results are kept (TRITON_CACHE_AUTOTUNING)
+      # under $KDA_TUNE_DIR, tarred to $OUT/fla_autotune.tgz: unpack it there in a later call to skip the warm-up
+      site=/tmp/fla_site; pip install -q --no-deps --target $site .whl/*.whl >/dev/null 2>&1
+      export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${KDA_TUNE_DIR:-/tmp/kda_tune} TRITON_PRINT_AUTOTUNING=1
+      PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --quick --sections train 2>&1 | quiet > "$OUT/kdafla.txt"
+      (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
+      grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done
