@@ -12,6 +12,7 @@ from k3.model.cache import HybridCache, SeqLayout
 from k3.model.common import keep_fp32
 from k3.model.fused import EAGER, Kernels, linear_multi
 from k3.ops.kda import kda, kda_gate, l2norm
+from k3.ops.short_conv import document_starts, short_conv_silu
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout,
@@ -85,8 +86,17 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
     Returns [S, B, T, C] contiguous in x's dtype (each stream ready for the KDA kernel as is).
     Packed documents: the conv runs across document edges, then the first W-1 rows of each document
     are recomputed from their own document's taps (a few gathers), so the result is exact.
+    On CUDA the fused Triton kernels of `k3.ops.short_conv` do all of it in one launch each way.
     """
     T, C = x.shape[1:]
+    if x.is_cuda:
+        starts = None
+        if layout.cu_seqlens is not None:  # shared by every KDA layer of the forward
+            memo = layout.__dict__.setdefault("_conv_starts", {})
+            if T not in memo:
+                memo[T] = document_starts(layout.cu_seqlens.to(x.device), T)
+            starts = memo[T]
+        return short_conv_silu(x, weight, streams=streams, starts=starts)
     W = weight.shape[-1]
     xt = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, C, T]
     w = weight.float()

@@ -1,0 +1,58 @@
+"""KDA's short convolution: depthwise causal conv (width W, no bias) + SiLU over packed documents.
+
+    from k3.ops.short_conv import short_conv_silu
+    out = short_conv_silu(x, weight, streams=3, cu_seqlens=cu)     # [S, B, T, C]
+
+`reference.py` is the spec (float64 loops); `triton_conv.py` the fused Triton forward/backward used
+on CUDA tensors (and under TRITON_INTERPRET=1 on CPU, which is how CI tests it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["short_conv_silu", "document_starts"]
+
+
+def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """First row of each token's document: cu_seqlens [N + 1] -> int32 [total] (no host sync)."""
+    cu = cu_seqlens.to(torch.int64)
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu, t, right=True) - 1
+    return cu[seq.clamp(0, cu.numel() - 2)].to(torch.int32)
+
+
+def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, *, streams: int = 1,
+                    cu_seqlens: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(depthwise causal conv(x)) with no history before each document, split into streams.
+
+    Args:
+        x: [B, T, S*C] bf16/fp16/fp32 (the last dim must be contiguous; e.g. a slice of a fused
+            projection). Packed documents: B = 1 and cu_seqlens [N + 1] (or their `starts`).
+        weight: [S*C, 1, W] or [S*C, W]; the conv runs in fp32 (tap W-1 is the current token).
+        streams: S, the number of equal channel groups returned separately (q, k, v -> 3).
+        starts: int32 [T], the first row of each token's document (`document_starts`), to share it
+            across layers instead of passing cu_seqlens.
+    Returns:
+        [S, B, T, C] contiguous in x's dtype; differentiable in x and weight.
+    """
+    from k3.ops.short_conv.triton_conv import ShortConvSiLU
+
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, S*C], got shape {list(x.shape)}")
+    B, T, SC = x.shape
+    if streams < 1 or SC % streams:
+        raise ValueError(f"{SC} channels do not split into {streams} streams")
+    w = weight.reshape(weight.shape[0], -1)
+    if w.shape[0] != SC:
+        raise ValueError(f"weight has {w.shape[0]} channels, x has {SC}")
+    if (cu_seqlens is not None or starts is not None) and B != 1:
+        raise ValueError(f"packed documents need B = 1, got B = {B}")
+    if starts is None and cu_seqlens is not None:
+        starts = document_starts(cu_seqlens.to(x.device), T)
+    if starts is not None and starts.shape != (T,):
+        raise ValueError(f"starts must be [{T}], got {list(starts.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    starts = starts.to(torch.int32).contiguous() if starts is not None else None
+    return ShortConvSiLU.apply(x, w.float().contiguous(), starts, streams)
