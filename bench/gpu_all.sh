@@ -46,7 +46,10 @@ for s in $sections; do
       PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --quick --sections train 2>&1 | quiet > "$OUT/kdafla.txt"
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
       grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla)"; exit 2 ;;
+    variants)  # KDA kernel variants (env switches): numerics vs float64, fwd / fwd+bwd times, per-kernel profile
+      python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} 2>&1 | quiet > "$OUT/variants.txt"
+      grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done
