@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton_common import (
+    INTERPRETED,
     _beta,
     _cvt,
     _dot,
@@ -54,6 +55,8 @@ from k3.ops.kda.triton_common import (
     _rnorms,
     _sdot,
     _st,
+    _tf32_round,
+    _tf32_trunc,
 )
 
 
@@ -64,6 +67,32 @@ def _ld16(ptr, row64, nr, r0, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.con
     o_r = r0 + tl.arange(0, 16)
     offs = o_r[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
     return tl.load(ptr + row64 * D + offs, mask=(o_r < nr)[:, None], other=0.0)
+
+
+@triton.jit
+def _tdot(a, b, acc):
+    """acc + a @ b on the tf32 tensor cores (fp32 operands, which the hardware truncates to tf32;
+    the interpreter emulates that)."""
+    if INTERPRETED:
+        return tl.dot(_tf32_trunc(a), _tf32_trunc(b), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision="tf32")
+
+
+@triton.jit
+def _dot3(a, b, PREC: tl.constexpr):
+    """a @ b of fp32 operands at PREC, fp32 accumulation.  "tf32x3" is done by hand: hi = a
+    rounded to the nearest tf32 (two integer ops), lo = a - hi (exact), three tf32 products, small
+    ones first.  Same accuracy as Triton's tf32x3, whose split (cvt.rna emulated with checks for
+    inf / nan) costs about twice the instructions per element; other PREC go to _dot."""
+    if PREC == "tf32x3":
+        ah = _tf32_round(a)
+        bh = _tf32_round(b)
+        acc = _tdot(ah, b - bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32))
+        acc = _tdot(a - ah, bh, acc)
+        return _tdot(ah, bh, acc)
+    else:
+        return _dot(a, b, PREC)
 
 
 @triton.jit
@@ -152,8 +181,51 @@ def _kda_bwd_keys(
     tl.store(ws + offs, G)
     tl.debug_barrier()
 
-    # ---- state terms first (their three accumulators are dead before the A / P loop) ----------
-    # dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T
+    # Register budget: at most ~7 [64, BK] fp32 tiles live anywhere.  q and k are re-read
+    # (L1 / L2 hits) where needed instead of being kept live through both loops.
+    b_b = _beta(beta, row64, m_t, H, BSIG)
+    if L2:
+        rq = tl.load(rows + o_t)
+        rk = tl.load(rows + 64 + o_t)
+    else:
+        rq = tl.full([64], 1.0, tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
+    qs = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * (rq * scale)[:, None]
+    kb = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * (rk * b_b)[:, None]
+
+    # ---- intra-chunk A / P backward, one 16-row column block j at a time ----------------------
+    # acc_q / acc_a: row-side gradients w.r.t. scale q and beta k (times scale: see below); the
+    # column side's [16, BK] results (already times exp(m_j - G_s)) replace block j's rows of G
+    # in WS.  Addresses: a loop-variant scalar base plus loop-invariant int32 offset tiles (a
+    # hoisted tile of 64-bit pointers would cost two registers per element).
+    dpa = DPA + tile * 8192
+    o_row = o_t[:, None] * 64 + o16[None, :]  # dP[:, blk j] / dA[:, blk j]   [64, 16]
+    o_col = o16[:, None] + o_t[None, :] * 64  # their transposes              [16, 64]
+    o_ws = o16[:, None] * K + o_c[None, :]    # rows of block j in WS         [16, BK]
+    o_k = o16[:, None] * (H * K) + o_c[None, :]
+    kbase = k + row64 * K + col0
+    acc_q = tl.zeros([64, BK], dtype=tl.float32)
+    acc_a = tl.zeros([64, BK], dtype=tl.float32)
+    for j in range(4):
+        r0 = j * 16
+        m = tl.load(ws + (r0 + 7) * K + o_c)
+        e_j = _exp(m[None, :] - tl.load(ws + r0 * K + o_ws))
+        k_j = tl.load(kbase + r0 * (H * K) + o_k, mask=(r0 + o16 < nr)[:, None], other=0.0).to(tl.float32)
+        if L2:
+            k_j = k_j * tl.load(rows + 64 + r0 + o16)[:, None]
+        kc_j = k_j * e_j
+        F = _exp(tl.where(o_t[:, None] >= r0, G - m[None, :], -1.0e30))
+        acc_q += F * _dot3(tl.load(dpa + r0 + o_row), kc_j, AP_PREC)
+        acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC)
+        c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC) \
+            + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC)
+        # block j's rows of G are dead from here on (read above by every thread)
+        tl.debug_barrier()
+        tl.store(ws + r0 * K + o_ws, e_j * c_j)
+    tl.debug_barrier()
+    dkc = tl.load(ws + offs)
+
+    # ---- state terms: dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T ------------------------------
     hbase = tile * (K * V)
     dqg = tl.zeros([64, BK], dtype=tl.float32)
     dkg = tl.zeros([64, BK], dtype=tl.float32)
@@ -168,65 +240,27 @@ def _kda_bwd_keys(
         dxw -= _sdot(_ldc(DR, tile, vc * BV, V, BV), b_ht, S_PREC)
         dgl_s += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
 
-    # direct terms: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S)
-    b_b = _beta(beta, row64, m_t, H, BSIG)
-    if L2:
-        rq = tl.load(rows + o_t)
-        rk = tl.load(rows + 64 + o_t)
-    else:
-        rq = tl.full([64], 1.0, tl.float32)
-        rk = tl.full([64], 1.0, tl.float32)
+    # ---- combine: qg = scale q e^G, kg = k e^(gl - G), Xw = beta k e^G (R = beta v - Xw S) ----
+    # X: gradient w.r.t. the beta k operands (Xw, A's rows), Y: w.r.t. the k operands (kg, the
+    # columns of A and P); dk = Y + beta X, dG = q dq + k (beta X - Y), dbeta_k = sum_c k X.
+    eG = _expw(G, q.dtype.element_ty == tl.float32)
+    b_dq = scale * (acc_q + eG * dqg)
+    X = acc_a + eG * dxw
+    dkg = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
     b_q = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * rq[:, None]
     b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * rk[:, None]
-    kb = b_k * b_b[:, None]
-    qs = b_q * scale
-    eG = _expw(G, q.dtype.element_ty == tl.float32)
-    b_dq = scale * eG * dqg
-    dkg = _expw(gl[None, :] - G, q.dtype.element_ty == tl.float32) * dkg
     dgl = tl.sum(b_k * dkg, axis=0) + _expw(gl, q.dtype.element_ty == tl.float32) * dgl_s
-    dxw = eG * dxw
-    b_dk = dkg + b_b[:, None] * dxw
-    b_dG = b_q * b_dq - b_k * dkg + kb * dxw
-    db = tl.sum(dxw * b_k, axis=1)
-
-    # ---- intra-chunk A / P backward, one 16-row column block j at a time ----------------------
-    # row-side terms go straight into b_dq / b_dk / b_dG (no extra accumulators); the column
-    # side's [16, BK] results (already times exp(m_j - G_s)) replace block j's rows of G in WS
-    dpa = DPA + tile * 8192
-    for j in range(4):
-        r0 = j * 16
-        o_r = r0 + o16
-        m = tl.load(ws + (r0 + 7) * K + o_c)
-        e_j = _exp(m[None, :] - tl.load(ws + o_r[:, None] * K + o_c[None, :]))
-        k_j = _ld16(k, row64, nr, r0, col0, H, K, BK).to(tl.float32)
-        if L2:
-            k_j = k_j * tl.load(rows + 64 + o_r)[:, None]
-        kc_j = k_j * e_j
-        F = _exp(tl.where(o_t[:, None] >= r0, G - m[None, :], -1.0e30))
-        dp_j = tl.load(dpa + o_t[:, None] * 64 + o_r[None, :])
-        da_j = tl.load(dpa + 4096 + o_t[:, None] * 64 + o_r[None, :])
-        t_q = F * _dot(dp_j, kc_j, AP_PREC)
-        t_a = F * _dot(da_j, kc_j, AP_PREC)
-        b_dq += scale * t_q
-        b_dG += qs * t_q + kb * t_a
-        b_dk += b_b[:, None] * t_a
-        db += tl.sum(t_a * b_k, axis=1)
-        dp_jt = tl.load(dpa + o_r[:, None] + o_t[None, :] * 64)
-        da_jt = tl.load(dpa + 4096 + o_r[:, None] + o_t[None, :] * 64)
-        c_j = e_j * (_dot(dp_jt, qs * F, AP_PREC) + _dot(da_jt, kb * F, AP_PREC))
-        # block j's rows of G are dead from here on (read above by every thread)
-        tl.debug_barrier()
-        tl.store(ws + o_r[:, None] * K + o_c[None, :], c_j)
-    tl.debug_barrier()
-    dkc = tl.load(ws + offs)
-    b_dG -= b_k * dkc
-    b_dk += dkc
+    Y = dkc + dkg
+    b_dk = Y + b_b[:, None] * X
+    b_dG = b_q * b_dq + b_k * (b_b[:, None] * X - Y)
+    db = tl.sum(b_k * X, axis=1)
     b_dG += tl.where((o_t == 63)[:, None], dgl[None, :], 0.0)
     b_dg = tl.cumsum(b_dG, axis=0, reverse=True)
     if GATE:  # g = lb sigmoid(z), z = e^A_log (f + dt_bias)
         a = _exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.load(dt_bias + i_h * K + col0 + o_c).to(tl.float32)
-        z = a * (graw + bias[None, :])
+        # f re-read rather than kept live through both loops
+        z = a * (_ld(g, row64, nr, col0, H, K, BK).to(tl.float32) + bias[None, :])
         s = 1.0 / (1.0 + _exp(-z))
         dz = tl.where(m_t[:, None], b_dg * lower_bound * s * (1.0 - s), 0.0)
         _st(dg, row64, nr, col0, dz * a, H, K, BK)
