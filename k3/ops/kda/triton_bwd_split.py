@@ -8,10 +8,10 @@ outputs.  Three launches:
      (t > s), stored fp32 chunk-major to DPA [NC, H, 2, 64, 64]; per-row vectors to ROWS
      [NC, H, 4, 64] fp32: 1/||q||, 1/||k|| (L2), dO . O (= q_hat . dq_hat, L2) and beta's value
      share sum_v dR v.
-  2. `_kda_bwd_keys`, grid (chunks * K/BK, H), one program per key chunk of BK columns: prologue
-     (gate, norms, beta, cumulative decay G), the state terms dqg = dO S^T, dkg = Vn dS'^T,
-     dXw = -dR S^T, and the A/P backward factorised by COLUMN block j (key rows s in
-     [16 j, 16 j + 16), reference m_j = G at row 16 j + 7, per channel):
+  2. `_kda_bwd_keys`, grid (chunks * K/BK, H), one program per key chunk of BK columns (the key
+     chunk varies fastest, so the programs of a chunk share dP / dO / Vn / dR in L2): prologue
+     (gate, cumulative decay G, norms, beta), the A/P backward factorised by COLUMN block j (key
+     rows s in [16 j, 16 j + 16), reference m_j = G at row 16 j + 7, per channel):
          exp(G_t - G_s) = exp(G_t - m_j) * exp(m_j - G_s)   for t >= s;
      row side (q_t, beta_t k_t):  F_j * (dP[:, blk j] @ (k_j exp(m_j - G_j)))      [64,16]x[16,BK]
      column side (k_s, s in j):   exp(m_j - G_j) * (dP[:, blk j]^T @ (scale q F_j)
@@ -21,7 +21,8 @@ outputs.  Three launches:
      triton_common), and no product is computed for a structurally zero block pair more than the
      masks of a 16-wide slice imply (no 4x redundant tensor work).  16-row slices of G and of the
      column results go through an fp32 scratch WS [NC, H, 64, K] (this program's own [64, BK]
-     block, re-read after a barrier: bit-identical to the registers' G).  Then dG, the reverse
+     block, re-read after a barrier: bit-identical to the registers' G).  Then the state terms
+     dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T (bf16 / fp16 dots), dG, the reverse
      cumsum to dg, the gate backward; row sums that need all K (beta's key share, k_hat . dk_hat)
      are written per key chunk to PART [NC, H, K/BK, 2, 64] (deterministic: no atomics).
   3. `_kda_bwd_finish`, grid (chunks, H): dbeta (partials summed in key-chunk order, sigmoid
@@ -58,15 +59,6 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
-
-
-@triton.jit
-def _ld16(ptr, row64, nr, r0, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """[16, BD] slice (storage dtype), rows [r0, r0 + 16) of one chunk of a token-major [T, H, D]
-    tensor (row64 = first_token * H + head); rows >= nr read as zero."""
-    o_r = r0 + tl.arange(0, 16)
-    offs = o_r[:, None] * (H * D) + col0 + tl.arange(0, BD)[None, :]
-    return tl.load(ptr + row64 * D + offs, mask=(o_r < nr)[:, None], other=0.0)
 
 
 @triton.jit
