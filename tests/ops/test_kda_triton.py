@@ -151,7 +151,7 @@ def test_split_bwd_key_chunks(bk, cumdot, monkeypatch):
     monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
     monkeypatch.setenv("K3_KDA_BK_BWDSPLIT", str(bk))
     monkeypatch.setenv("K3_KDA_CUMDOT_BWDSPLIT", cumdot)
-    x = _inputs(1, 90, 2, 64, 32, torch.float16, gate=True, l2=True, bsig=True)
+    x = _inputs(1, 70, 1, 64, 32, torch.float16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 

@@ -72,12 +72,16 @@ def _tdot(a, b, acc):
 
 
 @triton.jit
-def _dot3(a, b, PREC: tl.constexpr):
-    """a @ b of fp32 operands at PREC, fp32 accumulation.  "tf32x3" is done by hand: hi = a
-    rounded to the nearest tf32 (two integer ops), lo = a - hi (exact), three tf32 products, small
-    ones first.  Same accuracy as Triton's tf32x3, whose split (cvt.rna emulated with checks for
-    inf / nan) costs about twice the instructions per element; other PREC go to _dot."""
-    if PREC == "tf32x3":
+def _dot3(a, b, PREC: tl.constexpr, HAND: tl.constexpr):
+    """a @ b of fp32 operands at PREC, fp32 accumulation.  With HAND, "tf32x3" is done by hand:
+    hi = a rounded to the nearest tf32 (two integer ops), lo = a - hi (exact, truncated to tf32 by
+    the tensor cores), three tf32 products, small ones first: on the GPU the same accuracy as
+    Triton's tf32x3, whose split (cvt.rna emulated with inf / nan checks) costs about twice the
+    instructions per element.  Under the interpreter HAND emulates that truncation, while Triton's
+    tf32x3 runs as an exact fp32 dot there: fp32 inputs (not the speed target) keep Triton's split
+    so that their CPU tests keep the fused kernel's margins (fp32 varlen test: ddt_bias 2.0e-5 with
+    HAND vs 1.4e-5, limit 2e-5).  Other PREC go to _dot."""
+    if PREC == "tf32x3" and HAND:
         ah = _tf32_round(a)
         bh = _tf32_round(b)
         acc = _tdot(ah, b - bh, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32))
@@ -140,7 +144,7 @@ def _kda_bwd_keys(
     dq, dk, dg, PART, dA_part, ddt_part, cu_seqlens, chunk_info, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr,
+    AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr, HAND: tl.constexpr,
 ):
     """Every key-side gradient of key columns [i_k BK, i_k BK + BK) of one (chunk, head).
 
@@ -207,10 +211,10 @@ def _kda_bwd_keys(
             k_j = k_j * tl.load(rows + 64 + r0 + o16)[:, None]
         kc_j = k_j * e_j
         F = _exp(tl.where(o_t[:, None] >= r0, G - m[None, :], -1.0e30))
-        acc_q += F * _dot3(tl.load(dpa + r0 + o_row), kc_j, AP_PREC)
-        acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC)
-        c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC) \
-            + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC)
+        acc_q += F * _dot3(tl.load(dpa + r0 + o_row), kc_j, AP_PREC, HAND)
+        acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC, HAND)
+        c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC, HAND) \
+            + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC, HAND)
         # block j's rows of G are dead from here on (read above by every thread)
         tl.debug_barrier()
         tl.store(ws + r0 * K + o_ws, e_j * c_j)
@@ -354,7 +358,7 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
         ROWS, WS, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, num_warps=warps, num_stages=1,
+        CUMDOT=cumdot, HAND=q.dtype != torch.float32, num_warps=warps, num_stages=1,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,
