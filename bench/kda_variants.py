@@ -36,6 +36,7 @@ VARIANTS = {
     "bwdsplit16": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "16"},
     "bwdsplit64": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64"},
     "bwdsplitw8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_WARPS_BWDSPLIT": "8"},
+    "bwdsplit64w8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_WARPS_BWDSPLIT": "8"},
     "bwdsplitcd": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_CUMDOT_BWDSPLIT": "1"},
     "bwdsplitr": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_AP_PREC_BWD": "tf32r"},
 }
