@@ -190,9 +190,9 @@ def _kda_bwd_keys(
     kb = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * (rk * b_b)[:, None]
 
     # ---- intra-chunk A / P backward, one 16-row column block j at a time ----------------------
-    # acc_q / acc_a: row-side gradients w.r.t. scale q and beta k (times scale: see below); the
-    # column side's [16, BK] results (already times exp(m_j - G_s)) replace block j's rows of G
-    # in WS.  Addresses: a loop-variant scalar base plus loop-invariant int32 offset tiles (a
+    # acc_q / acc_a: row-side gradients w.r.t. the operands scale q_t (of P) and beta_t k_t (of A);
+    # the column side's [16, BK] results (gradient w.r.t. k_s, already times exp(m_j - G_s))
+    # replace block j's rows of G in WS.  Addresses: a loop-variant scalar base plus loop-invariant int32 offset tiles (a
     # hoisted tile of 64-bit pointers would cost two registers per element).
     dpa = DPA + tile * 8192
     o_row = o_t[:, None] * 64 + o16[None, :]  # dP[:, blk j] / dA[:, blk j]   [64, 16]
