@@ -31,6 +31,14 @@ VARIANTS = {
     "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
     "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
     "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
+    # split backward intra (k3/ops/kda/triton_bwd_split.py): default BK 32 / 4 warps
+    "bwdsplit": {"K3_KDA_BWD_INTRA": "split"},
+    "bwdsplit16": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "16"},
+    "bwdsplit64": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64"},
+    "bwdsplitw8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_WARPS_BWDSPLIT": "8"},
+    "bwdsplit64w8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_WARPS_BWDSPLIT": "8"},
+    "bwdsplitcd": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_CUMDOT_BWDSPLIT": "1"},
+    "bwdsplitr": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_AP_PREC_BWD": "tf32r"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]

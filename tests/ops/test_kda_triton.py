@@ -38,6 +38,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+# Backward intra-chunk implementation (chunk.py reads K3_KDA_BWD_INTRA per call): the fused
+# one-program-per-chunk kernel (default) and the split values / keys / finish kernels.
+@pytest.fixture(params=["fused", "split"])
+def bwd_impl(request, monkeypatch):
+    monkeypatch.setenv("K3_KDA_BWD_INTRA", request.param)
+    return request.param
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values"
@@ -105,7 +113,7 @@ def _check_all(x, *, gate, l2, bsig, cu=None, tol=None, bound=-5.0):
     assert not bad, f"above {tol}: {bad}; all: {errs}"
 
 
-def test_fp32_fixed_length_all_grads():
+def test_fp32_fixed_length_all_grads(bwd_impl):
     # T = 70: one full and one partial chunk per sequence; pre-computed g with a declared bound.
     x = _inputs(2, 70, 1, 32, 32, torch.float32, gate=False, l2=False, bsig=False)
     _check_all(x, gate=False, l2=False, bsig=False)
@@ -115,7 +123,7 @@ def test_fp32_fixed_length_all_grads():
     assert torch.equal(o_inf, o_tr.detach()) and torch.equal(s_inf, s_tr.detach())
 
 
-def test_fp32_varlen_fused_prologue_k_ne_v():
+def test_fp32_varlen_fused_prologue_k_ne_v(bwd_impl):
     # packed sequences incl. an empty one; in-kernel gate + L2 norm + sigmoid; K != V.
     cu = torch.tensor([0, 37, 37, 150, 171], device=DEV, dtype=torch.int32)
     x = _inputs(1, 171, 1, 32, 16, torch.float32, gate=True, l2=True, bsig=True, N=4)
@@ -131,12 +139,34 @@ def test_fp32_no_initial_state_no_final():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_all_grads(dtype):
+def test_half_precision_all_grads(dtype, bwd_impl):
     x = _inputs(1, 100, 1, 64, 64, dtype, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
-def test_gate_pinned_at_lower_bound_long_span():
+@pytest.mark.parametrize("bk,cumdot", [(16, "0"), (32, "1")])
+def test_split_bwd_key_chunks(bk, cumdot, monkeypatch):
+    # split backward with K spanning several key chunks (L2 projection of dk in the finish
+    # kernel), both cumulative-decay variants, fp16 with the in-kernel gate and sigmoid beta
+    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
+    monkeypatch.setenv("K3_KDA_BK_BWDSPLIT", str(bk))
+    monkeypatch.setenv("K3_KDA_CUMDOT_BWDSPLIT", cumdot)
+    x = _inputs(1, 70, 1, 64, 32, torch.float16, gate=True, l2=True, bsig=True)
+    _check_all(x, gate=True, l2=True, bsig=True)
+
+
+def test_split_bwd_rejects_narrow_tf32_wgmma(monkeypatch):
+    # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
+    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
+    monkeypatch.setenv("K3_KDA_BK_BWDSPLIT", "16")
+    monkeypatch.setenv("K3_KDA_WARPS_BWDSPLIT", "8")
+    x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
+    o, _ = _run_triton(x, gate=False, l2=False, bsig=False)
+    with pytest.raises(ValueError, match="BK >= 4"):
+        o.sum().backward()
+
+
+def test_gate_pinned_at_lower_bound_long_span(bwd_impl):
     # Every step decays by exactly the bound over 4 chunks: the factorised exponentials reach
     # exp(+-40) inside each 16-row block and nothing may overflow (fwd and bwd).
     T, H, K = 256, 1, 16
@@ -152,7 +182,7 @@ def test_gate_pinned_at_lower_bound_long_span():
     _check_all(y, gate=True, l2=True, bsig=True, tol=PINNED_TOL)
 
 
-def test_lower_bound_other_values():
+def test_lower_bound_other_values(bwd_impl):
     x = _inputs(1, 80, 1, 32, 16, torch.float32, gate=True, l2=True, bsig=True, bound=-1.5)
     _check_all(x, gate=True, l2=True, bsig=True, bound=-1.5)
 
@@ -259,14 +289,14 @@ def test_decode_no_write_and_validation():
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_bf16_large_fixed():
+def test_gpu_bf16_large_fixed(bwd_impl):
     x = _inputs(2, 1000, 4, 128, 128, torch.bfloat16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_bf16_large_varlen():
+def test_gpu_bf16_large_varlen(bwd_impl):
     cu = torch.tensor([0, 1300, 1847, 2048 + 1847, 2048 + 1847 + 963], device=DEV)
     x = _inputs(1, int(cu[-1]), 2, 128, 128, torch.bfloat16, gate=True, l2=True, bsig=True, N=4)
     _check_all(x, gate=True, l2=True, bsig=True, cu=cu)
@@ -274,7 +304,7 @@ def test_gpu_bf16_large_varlen():
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_fp32_pinned_bound_long():
+def test_gpu_fp32_pinned_bound_long(bwd_impl):
     x = _inputs(1, 4096, 2, 128, 128, torch.float32, gate=False, l2=True, bsig=False)
     with torch.no_grad():
         x["g"].fill_(-5.0)

@@ -27,7 +27,9 @@ widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
 / H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
 8 warps becomes a tf32 wgmma with N = 8 per warpgroup, which Triton 3.6 mis-pads: illegal address on
-the H200, triton-lang/triton#10629).  Measured effects are in docs/kda_kernels.md.
+the H200, triton-lang/triton#10629).  K3_KDA_BWD_INTRA=split selects the split backward intra
+kernels (triton_bwd_split; K3_KDA_BK_BWDSPLIT, K3_KDA_WARPS_BWDSPLIT, K3_KDA_CUMDOT_BWDSPLIT).
+Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
@@ -42,6 +44,7 @@ import torch
 import triton
 
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
+from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.validate import check_kda_shapes
 
@@ -234,6 +237,13 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
+    if NC > 0 and os.environ.get("K3_KDA_BWD_INTRA", "fused") == "split":
+        dA_log, ddt = kda_bwd_intra_split(
+            q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta, meta, scale,
+            float(lower_bound if lower_bound is not None else 0.0), l2, bsig, apb, sp)
+        if gate:
+            dA_log, ddt = dA_log.to(A_log.dtype), ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
+        return dq, dk, dv, dg, dbeta, dA_log, ddt, (dh0 if need_dh0 else None)
     dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
     bk = _tile("BK_BWD", 16, K)
