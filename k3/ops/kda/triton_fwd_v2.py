@@ -1,0 +1,223 @@
+"""KDA forward intra-chunk kernel, version 2: 2-D column-block dots (select with K3_KDA_FWD_INTRA=v2).
+
+Same contract as `triton_fwd._kda_fwd_intra` (outputs W, U, P, QG, KG, GL and, when STORE_T, the
+transposed T; same dtypes, padding and precision knobs), different organisation:
+
+* A and P by COLUMN block.  For column block j (s in [16 j, 16 j + 16)) the reference is
+  m_j = G[16 j + 7] per channel:  exp(G_t - G_s) = exp(G_t - m_j) * exp(m_j - G_s).  Then
+      P[:, block j] += (scale q e^(G - m_j))[64, BK]  @  (k_j e^(m_j - G_j))^T [BK, 16]
+  and the same for A with beta k on the left.  Rows t < 16 j are masked before the exponential
+  (they would overflow and only feed entries above the diagonal).  Every dot is 2-D with M = 64,
+  N = 16 (a valid tf32 wgmma shape with 4 warps = one warpgroup); the eight [64, 16] accumulators
+  keep one layout for the whole key loop, so there are no 3-D tensors, no [4, 64, BK] column
+  factors and no per-key-chunk reshapes.  The bounds of the factors are those of version 1
+  (row factor <= e^35, column factor <= e^40 at per-step decay -5).
+* 16-row slices (G_j, m_j, gl) come from a per-program fp32 scratch (the Tm buffer: G of the key
+  chunk is stored and reloaded after a barrier), so they are bit-identical to the 64-row G; k_j is
+  reloaded from the input (L1 / L2 hit) and its L2 norm applied as a per-column vector.
+* qg = scale q e^G, kg = k e^(gl - G), gl and Xw = beta k e^G are produced in the same key pass
+  (none depends on T); Xw goes to an fp32 buffer (W itself for fp32 inputs).  After the inverse
+  the second pass is only W = T Xw (and U = T beta v).
+* UT inverse as version 1 (exact, same products) but 2-D: the 16x16 diagonal blocks by forward
+  substitution on the stacked [64, 16] block column (one [64,64] x [64,16] dot per row step, the
+  left operand block-diagonal), T = (I - N)(I + N^2) Td with N = Td L as [64, 64] dots; A, Td are
+  re-laid out through the scratch instead of 4-D reshapes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from k3.ops.kda.triton_common import (
+    _beta,
+    _cvt,
+    _dot,
+    _exp,
+    _expw,
+    _gate,
+    _ld,
+    _rnorms,
+    _stc,
+)
+
+
+@triton.jit
+def _col_rnorm(k, row64, nr, j: tl.constexpr, H: tl.constexpr, K: tl.constexpr, L2: tl.constexpr):
+    """1 / ||k_s|| for the 16 rows s of block j as a [16] vector along the column axis of the
+    [BK, 16] column operands (ones without L2)."""
+    o16 = tl.arange(0, 16)
+    if L2:
+        rows = 16 * j + o16
+        kt = tl.load(k + (row64 + rows.to(tl.int64)[None, :] * H) * K + tl.arange(0, K)[:, None],
+                     mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
+        return tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+    else:
+        return tl.full([16], 1.0, tl.float32)
+
+
+@triton.jit
+def _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rkj, j: tl.constexpr,
+              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, AP_PREC: tl.constexpr):
+    """Contributions of one key chunk to column block j of P and A: two [64, 16] fp32 tiles.
+
+    b_qs = scale q, b_kb = beta k (normalised) [64, BK] fp32; G [64, BK] the cumulative decay,
+    also in scr (row stride BK) for the 16-row slices; rkj [16] the column L2 norms."""
+    o_t = tl.arange(0, 64)
+    o_c = tl.arange(0, BK)
+    o16 = tl.arange(0, 16)
+    m = tl.load(scr + (16 * j + 7) * BK + o_c)
+    # rows above the block see only masked entries; their factor would overflow: mask first
+    F = _exp(tl.where(o_t[:, None] >= 16 * j, G - m[None, :], -1.0e30))
+    # column operand, transposed [BK, 16]
+    rows = 16 * j + o16
+    Gj = tl.load(scr + rows[None, :] * BK + o_c[:, None])
+    mc = tl.load(scr + (16 * j + 7) * BK + o_c)
+    kj = tl.load(k + (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None],
+                 mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
+    kc = kj * rkj[None, :] * _exp(mc[:, None] - Gj)
+    return _dot(b_qs * F, kc, AP_PREC), _dot(b_kb * F, kc, AP_PREC)
+
+
+@triton.jit
+def _st_pblock(P, tile, Pj, j: tl.constexpr):
+    """Store column block j of P (lower triangle incl. diagonal) into the padded [64, 64] tile."""
+    o_t = tl.arange(0, 64)
+    o16 = tl.arange(0, 16)
+    x = tl.where(o_t[:, None] >= 16 * j + o16[None, :], Pj, 0.0)
+    tl.store(P + tile * 4096 + o_t[:, None] * 64 + 16 * j + o16[None, :], _cvt(x, P.dtype.element_ty))
+
+
+@triton.jit
+def _st_ablock(scr, Aj, j: tl.constexpr):
+    """Store column block j of A (strictly lower) into the fp32 scratch (row stride 64)."""
+    o_t = tl.arange(0, 64)
+    o16 = tl.arange(0, 16)
+    tl.store(scr + o_t[:, None] * 64 + 16 * j + o16[None, :],
+             tl.where(o_t[:, None] > 16 * j + o16[None, :], Aj, 0.0))
+
+
+@triton.jit
+def _kda_fwd_intra_v2(
+    q, k, v, g, beta, A_log, dt_bias,
+    W, U, P, QG, KG, GL, Tm, XW,
+    cu_seqlens, chunk_info,
+    scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, CUMDOT: tl.constexpr,
+):
+    """One (chunk, head) program.  Inputs token-major (q, k, g [T, H, K], v [T, H, V], beta [T, H]);
+    outputs chunk-major padded: W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64, 64] (input
+    dtype), GL [NC, H, K] fp32, Tm [NC, H, 64, 64] fp32 (T^T when STORE_T, else scratch only; it is
+    the scratch in any case), XW [NC, H, 64, K] fp32 scratch for beta k e^G (may alias W when W is
+    fp32).  BK <= 64 (the G scratch is a [64, BK] slice of the Tm tile)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n = tl.load(chunk_info + 2 * i_c)
+    start = tl.load(chunk_info + 2 * i_c + 1)
+    nr = tl.load(cu_seqlens + i_n + 1) - start
+    row64 = start.to(tl.int64) * H + i_h
+    tile = i_c.to(tl.int64) * H + i_h
+    scr = Tm + tile * 4096
+    xw = XW + tile * (64 * K)
+    o_t = tl.arange(0, 64)
+    o_s = tl.arange(0, 64)
+    o_c = tl.arange(0, BK)
+    o16 = tl.arange(0, 16)
+    m_t = o_t < nr
+    ACC: tl.constexpr = q.dtype.element_ty == tl.float32
+
+    b_b = _beta(beta, row64, m_t, H, BSIG)
+    rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
+    rk0 = _col_rnorm(k, row64, nr, 0, H, K, L2)
+    rk1 = _col_rnorm(k, row64, nr, 1, H, K, L2)
+    rk2 = _col_rnorm(k, row64, nr, 2, H, K, L2)
+    rk3 = _col_rnorm(k, row64, nr, 3, H, K, L2)
+
+    # ---- key pass: A, P column blocks; qg, kg, gl, Xw ----
+    P0 = tl.zeros([64, 16], dtype=tl.float32)
+    P1 = tl.zeros([64, 16], dtype=tl.float32)
+    P2 = tl.zeros([64, 16], dtype=tl.float32)
+    P3 = tl.zeros([64, 16], dtype=tl.float32)
+    A0 = tl.zeros([64, 16], dtype=tl.float32)
+    A1 = tl.zeros([64, 16], dtype=tl.float32)
+    A2 = tl.zeros([64, 16], dtype=tl.float32)
+    A3 = tl.zeros([64, 16], dtype=tl.float32)
+    for kc in range(K // BK):
+        col0 = kc * BK
+        b_q = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * rq[:, None]
+        b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * rk[:, None]
+        b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, m_t,
+                    lower_bound, K, BK, GATE)
+        if CUMDOT:  # inclusive cumsum as a dot with the 0/1 lower triangle (exact left operand)
+            G = _dot((o_s[None, :] <= o_t[:, None]).to(tl.float32), b_g, "tf32x3")
+        else:
+            G = tl.cumsum(b_g, axis=0)
+        tl.debug_barrier()  # the previous key chunk's scratch reads are done
+        tl.store(scr + o_t[:, None] * BK + o_c[None, :], G)
+        tl.debug_barrier()
+        # gl from the scratch: G's last row bit for bit (kg = k e^(gl - G) is exactly k there)
+        gl = tl.load(scr + 63 * BK + o_c)
+        eG = _expw(G, ACC)
+        b_qs = b_q * scale
+        b_kb = b_k * b_b[:, None]
+        _stc(QG, tile, col0, b_qs * eG, K, BK)
+        _stc(KG, tile, col0, b_k * _expw(gl[None, :] - G, ACC), K, BK)
+        tl.store(GL + tile * K + col0 + o_c, gl)
+        tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kb * eG)
+        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk0, 0, H, K, BK, AP_PREC)
+        P0 += dp
+        A0 += da
+        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk1, 1, H, K, BK, AP_PREC)
+        P1 += dp
+        A1 += da
+        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk2, 2, H, K, BK, AP_PREC)
+        P2 += dp
+        A2 += da
+        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk3, 3, H, K, BK, AP_PREC)
+        P3 += dp
+        A3 += da
+
+    _st_pblock(P, tile, P0, 0)
+    _st_pblock(P, tile, P1, 1)
+    _st_pblock(P, tile, P2, 2)
+    _st_pblock(P, tile, P3, 3)
+    tl.debug_barrier()  # G scratch reads done before A overwrites it
+    _st_ablock(scr, A0, 0)
+    _st_ablock(scr, A1, 1)
+    _st_ablock(scr, A2, 2)
+    _st_ablock(scr, A3, 3)
+    tl.debug_barrier()
+
+    # ---- T = (I + A)^-1 ----
+    Ab = tl.load(scr + o_t[:, None] * 64 + o_s[None, :])
+    same = (o_t // 16)[:, None] == (o_s // 16)[None, :]
+    Ad = tl.where(same, Ab, 0.0)  # block-diagonal, strictly lower
+    L = tl.where((o_t // 16)[:, None] > (o_s // 16)[None, :], Ab, 0.0)
+    # Diagonal blocks stacked as a [64, 16] block column: row r of every block becomes
+    # e_r - sum_{s<r} Ad[r, s] Td[s, :] (Ad strictly lower: the full block-diagonal product gives it).
+    I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
+    Ts = I16
+    for r in range(1, 16):
+        Ts = tl.where((o_t % 16 == r)[:, None], I16 - _dot(Ad, Ts, T_PREC), Ts)
+    tl.debug_barrier()  # A reads done
+    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
+    tl.debug_barrier()
+    Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
+    # T = (I - N)(I + N^2) Td with N = Td L (strictly block-lower, 4 blocks: N^4 = 0, exact)
+    N = _dot(Tdf, L, T_PREC)
+    N2 = _dot(N, N, T_PREC)
+    Y = Tdf + _dot(N2, Tdf, T_PREC)
+    b_T = Y - _dot(N, Y, T_PREC)
+    if STORE_T:  # transposed: the backward needs T^T dVn
+        tl.debug_barrier()  # Td reads done
+        tl.store(scr + o_s[None, :] * 64 + o_t[:, None], b_T)
+
+    # ---- W = T Xw, U = T beta v ----
+    for kc in range(K // BK):
+        b_x = tl.load(xw + o_t[:, None] * K + kc * BK + o_c[None, :])
+        _stc(W, tile, kc * BK, _dot(b_T, b_x, T_PREC), K, BK)
+    for vc in range(V // BV):
+        b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
+        _stc(U, tile, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC), V, BV)
