@@ -43,58 +43,59 @@ from k3.ops.kda.triton_common import (
 
 
 @triton.jit
-def _col_rnorm(k, row64, nr, j: tl.constexpr, H: tl.constexpr, K: tl.constexpr, L2: tl.constexpr):
-    """1 / ||k_s|| for the 16 rows s of block j as a [16] vector along the column axis of the
-    [BK, 16] column operands (ones without L2)."""
-    o16 = tl.arange(0, 16)
-    if L2:
-        rows = 16 * j + o16
-        kt = tl.load(k + (row64 + rows.to(tl.int64)[None, :] * H) * K + tl.arange(0, K)[:, None],
-                     mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
-        return tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
-    else:
-        return tl.full([16], 1.0, tl.float32)
-
-
-@triton.jit
-def _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rkj, j: tl.constexpr,
+def _rowblock(b_k, G, scr, q, k, row64, nr, col0, i: tl.constexpr,
               H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, AP_PREC: tl.constexpr):
-    """Contributions of one key chunk to column block j of P and A: two [64, 16] fp32 tiles.
+    """Contributions of one key chunk to row block i of P and A, transposed: two [64, 16] fp32
+    tiles PT[s, c] ~ P[16 i + c, s], AT[s, c] ~ A[16 i + c, s], without the row / column scales
+    (L2 norms, scale, beta: applied once after the key loop).
 
-    b_qs = scale q, b_kb = beta k (normalised) [64, BK] fp32; G [64, BK] the cumulative decay,
-    also in scr (row stride BK) for the 16-row slices; rkj [16] the column L2 norms."""
+    b_k [64, BK] raw k (fp32); G [64, BK] the cumulative decay, also in scr (row stride BK) for the
+    16-row slices.  Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) is shared
+    by both dots; its rows s >= 16 (i + 1) (only above-diagonal entries, factors that would overflow)
+    are masked before the exponential."""
     o_t = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
     o16 = tl.arange(0, 16)
-    m = tl.load(scr + (16 * j + 7) * BK + o_c)
-    # rows above the block see only masked entries; their factor would overflow: mask first
-    F = _exp(tl.where(o_t[:, None] >= 16 * j, G - m[None, :], -1.0e30))
-    # column operand, transposed [BK, 16]
-    rows = 16 * j + o16
-    Gj = tl.load(scr + rows[None, :] * BK + o_c[:, None])
-    mc = tl.load(scr + (16 * j + 7) * BK + o_c)
-    kj = tl.load(k + (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None],
-                 mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
-    kc = kj * rkj[None, :] * _exp(mc[:, None] - Gj)
-    return _dot(b_qs * F, kc, AP_PREC), _dot(b_kb * F, kc, AP_PREC)
+    mid = tl.load(scr + (16 * i + 7) * BK + o_c)
+    Gl = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
+    kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
+                 mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
+    kc = kl * _exp(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30))
+    # right operands, transposed [BK, 16]: rows 16 i .. 16 i + 15 of q, k times e^(G - mid_i)
+    rows = 16 * i + o16
+    Gi = tl.load(scr + rows[None, :] * BK + o_c[:, None])
+    midc = tl.load(scr + (16 * i + 7) * BK + o_c)
+    F = _exp(Gi - midc[:, None])
+    offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
+    mrow = (rows < nr)[None, :]
+    qi = tl.load(q + offs, mask=mrow, other=0.0).to(tl.float32) * F
+    ki = tl.load(k + offs, mask=mrow, other=0.0).to(tl.float32) * F
+    return _dot(kc, qi, AP_PREC), _dot(kc, ki, AP_PREC)
 
 
 @triton.jit
-def _st_pblock(P, tile, Pj, j: tl.constexpr):
-    """Store column block j of P (lower triangle incl. diagonal) into the padded [64, 64] tile."""
-    o_t = tl.arange(0, 64)
+def _scale_store(P, scr, tile, PT, AT, rs, i: tl.constexpr):
+    """Row block i of P and A from the transposed tiles: scale (row s: rs = k norm; column t: scale
+    q norm for P, beta k norm for A, both read from scr[64:128], scr[128:192]), mask to the
+    triangle, store P (input dtype, padded [64, 64] tile) and A (fp32, into scr, row stride 64)."""
+    o_s = tl.arange(0, 64)
     o16 = tl.arange(0, 16)
-    x = tl.where(o_t[:, None] >= 16 * j + o16[None, :], Pj, 0.0)
-    tl.store(P + tile * 4096 + o_t[:, None] * 64 + 16 * j + o16[None, :], _cvt(x, P.dtype.element_ty))
+    t = 16 * i + o16
+    cq = tl.load(scr + 64 + t)
+    ca = tl.load(scr + 128 + t)
+    PT = PT * rs[:, None] * cq[None, :]
+    AT = AT * rs[:, None] * ca[None, :]
+    pv = tl.where(o_s[:, None] <= t[None, :], PT, 0.0)
+    tl.store(P + tile * 4096 + t[None, :] * 64 + o_s[:, None], _cvt(pv, P.dtype.element_ty))
+    return tl.where(o_s[:, None] < t[None, :], AT, 0.0)
 
 
 @triton.jit
-def _st_ablock(scr, Aj, j: tl.constexpr):
-    """Store column block j of A (strictly lower) into the fp32 scratch (row stride 64)."""
-    o_t = tl.arange(0, 64)
+def _st_ablock(scr, AT, i: tl.constexpr):
+    """Store row block i of A (given transposed, [64 (s), 16 (t)]) into the scratch (row stride 64)."""
+    o_s = tl.arange(0, 64)
     o16 = tl.arange(0, 16)
-    tl.store(scr + o_t[:, None] * 64 + 16 * j + o16[None, :],
-             tl.where(o_t[:, None] > 16 * j + o16[None, :], Aj, 0.0))
+    tl.store(scr + (16 * i + o16)[None, :] * 64 + o_s[:, None], AT)
 
 
 @triton.jit
@@ -130,12 +131,8 @@ def _kda_fwd_intra_v2(
 
     b_b = _beta(beta, row64, m_t, H, BSIG)
     rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
-    rk0 = _col_rnorm(k, row64, nr, 0, H, K, L2)
-    rk1 = _col_rnorm(k, row64, nr, 1, H, K, L2)
-    rk2 = _col_rnorm(k, row64, nr, 2, H, K, L2)
-    rk3 = _col_rnorm(k, row64, nr, 3, H, K, L2)
 
-    # ---- key pass: A, P column blocks; qg, kg, gl, Xw ----
+    # ---- key pass: A, P row blocks (transposed); qg, kg, gl, Xw ----
     P0 = tl.zeros([64, 16], dtype=tl.float32)
     P1 = tl.zeros([64, 16], dtype=tl.float32)
     P2 = tl.zeros([64, 16], dtype=tl.float32)
@@ -146,8 +143,8 @@ def _kda_fwd_intra_v2(
     A3 = tl.zeros([64, 16], dtype=tl.float32)
     for kc in range(K // BK):
         col0 = kc * BK
-        b_q = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * rq[:, None]
-        b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * rk[:, None]
+        b_q = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32)
+        b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32)
         b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, m_t,
                     lower_bound, K, BK, GATE)
         if CUMDOT:  # inclusive cumsum as a dot with the 0/1 lower triangle (exact left operand)
@@ -157,33 +154,42 @@ def _kda_fwd_intra_v2(
         tl.debug_barrier()  # the previous key chunk's scratch reads are done
         tl.store(scr + o_t[:, None] * BK + o_c[None, :], G)
         tl.debug_barrier()
-        # gl from the scratch: G's last row bit for bit (kg = k e^(gl - G) is exactly k there)
+        # Everything below reads G back from the scratch: the loads land in the layout each use
+        # wants (no conversions of the dot's accumulator layout), and all slices are bit-identical.
+        G = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
+        # gl: G's last row bit for bit (kg = k e^(gl - G) is exactly k there)
         gl = tl.load(scr + 63 * BK + o_c)
         eG = _expw(G, ACC)
-        b_qs = b_q * scale
-        b_kb = b_k * b_b[:, None]
-        _stc(QG, tile, col0, b_qs * eG, K, BK)
-        _stc(KG, tile, col0, b_k * _expw(gl[None, :] - G, ACC), K, BK)
+        b_kn = b_k * rk[:, None]
+        _stc(QG, tile, col0, b_q * (rq * scale)[:, None] * eG, K, BK)
+        _stc(KG, tile, col0, b_kn * _expw(gl[None, :] - G, ACC), K, BK)
         tl.store(GL + tile * K + col0 + o_c, gl)
-        tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kb * eG)
-        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk0, 0, H, K, BK, AP_PREC)
+        tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kn * b_b[:, None] * eG)
+        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC)
         P0 += dp
         A0 += da
-        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk1, 1, H, K, BK, AP_PREC)
+        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC)
         P1 += dp
         A1 += da
-        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk2, 2, H, K, BK, AP_PREC)
+        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC)
         P2 += dp
         A2 += da
-        dp, da = _colblock(b_qs, b_kb, G, scr, k, row64, nr, col0, rk3, 3, H, K, BK, AP_PREC)
+        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC)
         P3 += dp
         A3 += da
 
-    _st_pblock(P, tile, P0, 0)
-    _st_pblock(P, tile, P1, 1)
-    _st_pblock(P, tile, P2, 2)
-    _st_pblock(P, tile, P3, 3)
-    tl.debug_barrier()  # G scratch reads done before A overwrites it
+    # row / column scales through the scratch (16-element slices in the accumulators' layout)
+    tl.debug_barrier()  # G scratch reads done
+    tl.store(scr + o_t, rk)
+    tl.store(scr + 64 + o_t, rq * scale)
+    tl.store(scr + 128 + o_t, b_b * rk)
+    tl.debug_barrier()
+    rs = tl.load(scr + o_s)
+    A0 = _scale_store(P, scr, tile, P0, A0, rs, 0)
+    A1 = _scale_store(P, scr, tile, P1, A1, rs, 1)
+    A2 = _scale_store(P, scr, tile, P2, A2, rs, 2)
+    A3 = _scale_store(P, scr, tile, P3, A3, rs, 3)
+    tl.debug_barrier()  # scale reads done before A overwrites them
     _st_ablock(scr, A0, 0)
     _st_ablock(scr, A1, 1)
     _st_ablock(scr, A2, 2)
