@@ -184,7 +184,10 @@ def test_fwd_intra_v2_matches_v1(dtype, K, V, monkeypatch):
         o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, True, True, True, training=False)
         assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
         out[ver] = dict(zip(("W", "P", "QG", "KG", "GL", "Tm", "Hs", "VN"), saved), o=o, ht=ht)
-    tol = 2e-6 if dtype == torch.float32 else 1e-3
+    # fp32: G differs by ~1e-6 (v1's tf32x3 cumulative-decay dot runs as an fp32 dot under the
+    # interpreter, v2's two-product split is emulated at tf32, as on the GPU); bf16: P entries
+    # computed in another order round to neighbouring bf16 values (one rounding step, 2^-8).
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
     for n, a in out["v1"].items():
         b = out["v2"][n]
         assert b.dtype == a.dtype and b.shape == a.shape, n

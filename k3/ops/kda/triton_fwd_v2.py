@@ -39,6 +39,7 @@ from k3.ops.kda.triton_common import (
     _ld,
     _rnorms,
     _stc,
+    _tf32_round,
 )
 
 
@@ -147,8 +148,13 @@ def _kda_fwd_intra_v2(
         b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32)
         b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, m_t,
                     lower_bound, K, BK, GATE)
-        if CUMDOT:  # inclusive cumsum as a dot with the 0/1 lower triangle (exact left operand)
-            G = _dot((o_s[None, :] <= o_t[:, None]).to(tl.float32), b_g, "tf32x3")
+        if CUMDOT:
+            # inclusive cumsum as a dot with the 0/1 lower triangle.  The triangle is exact in tf32,
+            # so two tf32 products (b_g's tf32 head and its remainder) reach tf32x3's accuracy
+            # with one product less (the remainder rounded to nearest: unbiased, |err| <= 2^-22 |g|).
+            tri = (o_s[None, :] <= o_t[:, None]).to(tl.float32)
+            g_hi = _tf32_round(b_g)
+            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
         else:
             G = tl.cumsum(b_g, axis=0)
         tl.debug_barrier()  # the previous key chunk's scratch reads are done
