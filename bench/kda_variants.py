@@ -31,6 +31,11 @@ VARIANTS = {
     "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
     "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
     "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
+    # forward intra kernel v2 (k3/ops/kda/triton_fwd_v2.py); 4 warps only (its N = 16 tf32 dots
+    # would become N = 8 wgmma with 8 warps: triton-lang/triton#10629)
+    "fwdv2": {"K3_KDA_FWD_INTRA": "v2"},
+    "fwdv2bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BK_FWD": "16"},
+    "fwdv2nocd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_CUMDOT": "0"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]
@@ -94,7 +99,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
         fwd = bench(lambda: k3_call(xb))
         both = bench(lambda: k3_call(xb).backward(do_big))
         line = f"[{name}] B1 T8192 H96 D128: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
-        if name == "default":
+        if name == "default" or name.startswith("fwdv2"):
             with torch.no_grad():
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
         log(line)
