@@ -34,6 +34,7 @@ from k3.ops.kda.triton_common import (
     _cvt,
     _dot,
     _exp,
+    _exp2,
     _expw,
     _gate,
     _ld,
@@ -44,16 +45,38 @@ from k3.ops.kda.triton_common import (
 
 
 @triton.jit
-def _rowblock(b_k, G, scr, q, k, row64, nr, col0, i: tl.constexpr,
-              H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, AP_PREC: tl.constexpr):
+def _ex(x, ACC: tl.constexpr):
+    """Exponential of a scratch-domain exponent: e^x for fp32 inputs (ACC: the scratch holds G),
+    2^x otherwise (the scratch holds G log2 e, saving the scaling in every factor; its rounding,
+    ulp(461) / 2 = 3e-5 relative in the factor, is far below the tf32 / half rounding there)."""
+    if ACC:
+        return _exp(x)
+    else:
+        return _exp2(x)
+
+
+@triton.jit
+def _exw(x, ACC: tl.constexpr):
+    """As _ex for the wide-argument factors e^G, e^(gl - G) (fp32: the fma-corrected _expw)."""
+    if ACC:
+        return _expw(x, True)
+    else:
+        return _exp2(x)
+
+
+@triton.jit
+def _rowblock(scr, q, k, row64, nr, col0, i: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+              BK: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr):
     """Contributions of one key chunk to row block i of P and A, transposed: two [64, 16] fp32
     tiles PT[s, c] ~ P[16 i + c, s], AT[s, c] ~ A[16 i + c, s], without the row / column scales
     (L2 norms, scale, beta: applied once after the key loop).
 
-    b_k [64, BK] raw k (fp32); G [64, BK] the cumulative decay, also in scr (row stride BK) for the
-    16-row slices.  Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) is shared
-    by both dots; its rows s >= 16 (i + 1) (only above-diagonal entries, factors that would overflow)
-    are masked before the exponential."""
+    scr holds the key chunk's cumulative decay [64, BK] (row stride BK; see _ex for its domain).
+    Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) is shared by both
+    dots; its rows s >= 16 (i + 1) (above-diagonal entries only, factors that would overflow) are
+    masked before the exponential.  Every operand is loaded here from memory (k from the input, G
+    from the scratch: L1 / L2 hits), so Triton places the loads directly in the dot-operand layout
+    instead of converting a register tile for each dot."""
     o_t = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
     o16 = tl.arange(0, 16)
@@ -61,12 +84,12 @@ def _rowblock(b_k, G, scr, q, k, row64, nr, col0, i: tl.constexpr,
     Gl = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
     kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
                  mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
-    kc = kl * _exp(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30))
+    kc = kl * _ex(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30), ACC)
     # right operands, transposed [BK, 16]: rows 16 i .. 16 i + 15 of q, k times e^(G - mid_i)
     rows = 16 * i + o16
     Gi = tl.load(scr + rows[None, :] * BK + o_c[:, None])
     midc = tl.load(scr + (16 * i + 7) * BK + o_c)
-    F = _exp(Gi - midc[:, None])
+    F = _ex(Gi - midc[:, None], ACC)
     offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
     mrow = (rows < nr)[None, :]
     qi = tl.load(q + offs, mask=mrow, other=0.0).to(tl.float32) * F
@@ -157,6 +180,8 @@ def _kda_fwd_intra_v2(
             G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
         else:
             G = tl.cumsum(b_g, axis=0)
+        if not ACC:
+            G = G * 1.4426950408889634  # scratch domain (see _ex)
         tl.debug_barrier()  # the previous key chunk's scratch reads are done
         tl.store(scr + o_t[:, None] * BK + o_c[None, :], G)
         tl.debug_barrier()
@@ -165,22 +190,25 @@ def _kda_fwd_intra_v2(
         G = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
         # gl: G's last row bit for bit (kg = k e^(gl - G) is exactly k there)
         gl = tl.load(scr + 63 * BK + o_c)
-        eG = _expw(G, ACC)
+        eG = _exw(G, ACC)
         b_kn = b_k * rk[:, None]
         _stc(QG, tile, col0, b_q * (rq * scale)[:, None] * eG, K, BK)
-        _stc(KG, tile, col0, b_kn * _expw(gl[None, :] - G, ACC), K, BK)
-        tl.store(GL + tile * K + col0 + o_c, gl)
+        _stc(KG, tile, col0, b_kn * _exw(gl[None, :] - G, ACC), K, BK)
+        if ACC:
+            tl.store(GL + tile * K + col0 + o_c, gl)
+        else:
+            tl.store(GL + tile * K + col0 + o_c, gl * 0.6931471805599453)
         tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kn * b_b[:, None] * eG)
-        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC)
         P0 += dp
         A0 += da
-        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC)
         P1 += dp
         A1 += da
-        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC)
         P2 += dp
         A2 += da
-        dp, da = _rowblock(b_k, G, scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC)
         P3 += dp
         A3 += da
 
