@@ -231,25 +231,39 @@ def _kda_fwd_intra_v2(
     tl.debug_barrier()
 
     # ---- T = (I + A)^-1 ----
+    # Exact, in three levels (A strictly lower; blocks of 8, 16, 64 rows):
+    #  1. the 8x8 diagonal blocks by forward substitution, all eight at once: row r of every block
+    #     becomes e_r - sum_{s<r} A8[r, s] T8[s, :] (7 dependent steps);
+    #  2. the 16x16 diagonal blocks: Td = T8 - T8 L8 T8 with L8 the lower-left 8x8 part of each
+    #     16-block (exact: (T8 L8)^2 = 0);
+    #  3. T = (I + N)^-1 Td = Td - N (Td - N (Td - N Td)) with N = Td L, L the strictly block-lower
+    #     part at 16-row granularity (N^4 = 0).
+    # Diagonal-block matrices live as stacked [64, 16] block columns (row t holds row t % 16 of
+    # its block); the block-diagonal [64, 64] form is gathered from the scratch when needed.
     Ab = tl.load(scr + o_t[:, None] * 64 + o_s[None, :])
-    same = (o_t // 16)[:, None] == (o_s // 16)[None, :]
-    Ad = tl.where(same, Ab, 0.0)  # block-diagonal, strictly lower
-    L = tl.where((o_t // 16)[:, None] > (o_s // 16)[None, :], Ab, 0.0)
-    # Diagonal blocks stacked as a [64, 16] block column: row r of every block becomes
-    # e_r - sum_{s<r} Ad[r, s] Td[s, :] (Ad strictly lower: the full block-diagonal product gives it).
+    b16t = (o_t // 16)[:, None]
+    b16s = (o_s // 16)[None, :]
+    A8 = tl.where((o_t // 8)[:, None] == (o_s // 8)[None, :], Ab, 0.0)
+    L8 = tl.where((b16t == b16s) & ((o_t // 8)[:, None] != (o_s // 8)[None, :]), Ab, 0.0)
+    L = tl.where(b16t > b16s, Ab, 0.0)
     I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
     Ts = I16
-    for r in range(1, 16):
-        Ts = tl.where((o_t % 16 == r)[:, None], I16 - _dot(Ad, Ts, T_PREC), Ts)
+    for r in range(1, 8):
+        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dot(A8, Ts, T_PREC), Ts)
     tl.debug_barrier()  # A reads done
     tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
     tl.debug_barrier()
+    same = b16t == b16s
+    T8f = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
+    Ts = Ts - _dot(T8f, _dot(L8, Ts, T_PREC), T_PREC)
+    tl.debug_barrier()  # T8 reads done
+    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
+    tl.debug_barrier()
     Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    # T = (I - N)(I + N^2) Td with N = Td L (strictly block-lower, 4 blocks: N^4 = 0, exact)
     N = _dot(Tdf, L, T_PREC)
-    N2 = _dot(N, N, T_PREC)
-    Y = Tdf + _dot(N2, Tdf, T_PREC)
-    b_T = Y - _dot(N, Y, T_PREC)
+    Z = Tdf - _dot(N, Tdf, T_PREC)
+    Z = Tdf - _dot(N, Z, T_PREC)
+    b_T = Tdf - _dot(N, Z, T_PREC)
     if STORE_T:  # transposed: the backward needs T^T dVn
         tl.debug_barrier()  # Td reads done
         tl.store(scr + o_s[None, :] * 64 + o_t[:, None], b_T)
