@@ -197,6 +197,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
         # fp32 buffer between the key pass and W = T Xw (W itself when W is fp32).  BK <= 64, and
         # 4 warps: its [64,64] x [64,16] tf32 dots need N >= 16 per warpgroup (triton#10629).
+        # K3_KDA_V2_RADD=0: "tf32r" operands rounded by add + mask instead of the add alone.
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
@@ -206,7 +207,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=min(_tile("BK_FWD", 32, K), 64), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
             STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
-            num_warps=_warps("INTRA", 4), num_stages=1,
+            RADD=_flag("V2_RADD", True), num_warps=_warps("INTRA", 4), num_stages=1,
         )
     elif NC > 0:
         _kda_fwd_intra[(NC, H)](

@@ -45,6 +45,24 @@ from k3.ops.kda.triton_common import (
 
 
 @triton.jit
+def _half_up(x):
+    """fp32 bits + 2^12: the tensor cores read an fp32 operand of a tf32 dot truncated to tf32
+    (the low 13 bits ignored; Triton emits no cvt.rna), so this one integer add makes that read
+    round to nearest, ties away, i.e. equal to _tf32_round(x), which needs an add and a mask."""
+    return (x.to(tl.uint32, bitcast=True) + 0x1000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dotv(a, b, PREC: tl.constexpr, RADD: tl.constexpr):
+    """_dot, with "tf32r" done by _half_up when RADD (the CPU interpreter's tf32 emulation
+    truncates too, so it computes the same values)."""
+    if PREC == "tf32r" and RADD:
+        return _dot(_half_up(a), _half_up(b), "tf32")
+    else:
+        return _dot(a, b, PREC)
+
+
+@triton.jit
 def _ex(x, ACC: tl.constexpr):
     """Exponential of a scratch-domain exponent: e^x for fp32 inputs (ACC: the scratch holds G),
     2^x otherwise (the scratch holds G log2 e, saving the scaling in every factor; its rounding,
@@ -66,7 +84,7 @@ def _exw(x, ACC: tl.constexpr):
 
 @triton.jit
 def _rowblock(scr, q, k, row64, nr, col0, i: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr):
+              BK: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
     """Contributions of one key chunk to row block i of P and A, transposed: two [64, 16] fp32
     tiles PT[s, c] ~ P[16 i + c, s], AT[s, c] ~ A[16 i + c, s], without the row / column scales
     (L2 norms, scale, beta: applied once after the key loop).
@@ -94,7 +112,7 @@ def _rowblock(scr, q, k, row64, nr, col0, i: tl.constexpr, H: tl.constexpr, K: t
     mrow = (rows < nr)[None, :]
     qi = tl.load(q + offs, mask=mrow, other=0.0).to(tl.float32) * F
     ki = tl.load(k + offs, mask=mrow, other=0.0).to(tl.float32) * F
-    return _dot(kc, qi, AP_PREC), _dot(kc, ki, AP_PREC)
+    return _dotv(kc, qi, AP_PREC, RADD), _dotv(kc, ki, AP_PREC, RADD)
 
 
 @triton.jit
@@ -130,7 +148,7 @@ def _kda_fwd_intra_v2(
     scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr, STORE_T: tl.constexpr,
-    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, CUMDOT: tl.constexpr,
+    AP_PREC: tl.constexpr, T_PREC: tl.constexpr, CUMDOT: tl.constexpr, RADD: tl.constexpr,
 ):
     """One (chunk, head) program.  Inputs token-major (q, k, g [T, H, K], v [T, H, V], beta [T, H]);
     outputs chunk-major padded: W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64, 64] (input
@@ -177,7 +195,10 @@ def _kda_fwd_intra_v2(
             # with one product less (the remainder rounded to nearest: unbiased, |err| <= 2^-22 |g|).
             tri = (o_s[None, :] <= o_t[:, None]).to(tl.float32)
             g_hi = _tf32_round(b_g)
-            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
+            if RADD:
+                G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
+            else:
+                G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
         else:
             G = tl.cumsum(b_g, axis=0)
         if not ACC:
@@ -199,16 +220,16 @@ def _kda_fwd_intra_v2(
         else:
             tl.store(GL + tile * K + col0 + o_c, gl * 0.6931471805599453)
         tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kn * b_b[:, None] * eG)
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC, RADD)
         P0 += dp
         A0 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC, RADD)
         P1 += dp
         A1 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC, RADD)
         P2 += dp
         A2 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC)
+        dp, da = _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC, RADD)
         P3 += dp
         A3 += da
 
@@ -249,21 +270,21 @@ def _kda_fwd_intra_v2(
     I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
     Ts = I16
     for r in range(1, 8):
-        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dot(A8, Ts, T_PREC), Ts)
+        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dotv(A8, Ts, T_PREC, RADD), Ts)
     tl.debug_barrier()  # A reads done
     tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
     tl.debug_barrier()
     same = b16t == b16s
     T8f = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    Ts = Ts - _dot(T8f, _dot(L8, Ts, T_PREC), T_PREC)
+    Ts = Ts - _dotv(T8f, _dotv(L8, Ts, T_PREC, RADD), T_PREC, RADD)
     tl.debug_barrier()  # T8 reads done
     tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
     tl.debug_barrier()
     Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    N = _dot(Tdf, L, T_PREC)
-    Z = Tdf - _dot(N, Tdf, T_PREC)
-    Z = Tdf - _dot(N, Z, T_PREC)
-    b_T = Tdf - _dot(N, Z, T_PREC)
+    N = _dotv(Tdf, L, T_PREC, RADD)
+    Z = Tdf - _dotv(N, Tdf, T_PREC, RADD)
+    Z = Tdf - _dotv(N, Z, T_PREC, RADD)
+    b_T = Tdf - _dotv(N, Z, T_PREC, RADD)
     if STORE_T:  # transposed: the backward needs T^T dVn
         tl.debug_barrier()  # Td reads done
         tl.store(scr + o_s[None, :] * 64 + o_t[:, None], b_T)
@@ -271,7 +292,7 @@ def _kda_fwd_intra_v2(
     # ---- W = T Xw, U = T beta v ----
     for kc in range(K // BK):
         b_x = tl.load(xw + o_t[:, None] * K + kc * BK + o_c[None, :])
-        _stc(W, tile, kc * BK, _dot(b_T, b_x, T_PREC), K, BK)
+        _stc(W, tile, kc * BK, _dotv(b_T, b_x, T_PREC, RADD), K, BK)
     for vc in range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-        _stc(U, tile, vc * BV, _dot(b_T, b_v * b_b[:, None], T_PREC), V, BV)
+        _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
