@@ -1,27 +1,33 @@
-"""KDA forward intra-chunk kernel, version 2: 2-D column-block dots (select with K3_KDA_FWD_INTRA=v2).
+"""KDA forward intra-chunk kernel, version 2: 2-D dots only (select with K3_KDA_FWD_INTRA=v2).
 
 Same contract as `triton_fwd._kda_fwd_intra` (outputs W, U, P, QG, KG, GL and, when STORE_T, the
-transposed T; same dtypes, padding and precision knobs), different organisation:
+transposed T; same dtypes, padding and precision knobs); different organisation:
 
-* A and P by COLUMN block.  For column block j (s in [16 j, 16 j + 16)) the reference is
-  m_j = G[16 j + 7] per channel:  exp(G_t - G_s) = exp(G_t - m_j) * exp(m_j - G_s).  Then
-      P[:, block j] += (scale q e^(G - m_j))[64, BK]  @  (k_j e^(m_j - G_j))^T [BK, 16]
-  and the same for A with beta k on the left.  Rows t < 16 j are masked before the exponential
-  (they would overflow and only feed entries above the diagonal).  Every dot is 2-D with M = 64,
-  N = 16 (a valid tf32 wgmma shape with 4 warps = one warpgroup); the eight [64, 16] accumulators
-  keep one layout for the whole key loop, so there are no 3-D tensors, no [4, 64, BK] column
-  factors and no per-key-chunk reshapes.  The bounds of the factors are those of version 1
-  (row factor <= e^35, column factor <= e^40 at per-step decay -5).
-* 16-row slices (G_j, m_j, gl) come from a per-program fp32 scratch (the Tm buffer: G of the key
-  chunk is stored and reloaded after a barrier), so they are bit-identical to the 64-row G; k_j is
-  reloaded from the input (L1 / L2 hit) and its L2 norm applied as a per-column vector.
-* qg = scale q e^G, kg = k e^(gl - G), gl and Xw = beta k e^G are produced in the same key pass
-  (none depends on T); Xw goes to an fp32 buffer (W itself for fp32 inputs).  After the inverse
-  the second pass is only W = T Xw (and U = T beta v).
-* UT inverse as version 1 (exact, same products) but 2-D: the 16x16 diagonal blocks by forward
-  substitution on the stacked [64, 16] block column (one [64,64] x [64,16] dot per row step, the
-  left operand block-diagonal), T = (I - N)(I + N^2) Td with N = Td L as [64, 64] dots; A, Td are
-  re-laid out through the scratch instead of 4-D reshapes.
+* A and P by ROW block i (t in [16 i, 16 i + 16)), computed transposed.  Reference mid_i = G[16 i + 7]
+  per channel:  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s), so
+      P^T[:, block i] += (k e^(mid_i - G))[64, BK]  @  (q_i e^(G_i - mid_i))^T [BK, 16]
+      A^T[:, block i] += (k e^(mid_i - G))[64, BK]  @  (k_i e^(G_i - mid_i))^T [BK, 16]
+  The large left operand is shared by both dots (with a column-block reference it would not be:
+  q and beta k would each need four [64, BK] factor tiles).  Rows s >= 16 (i + 1) are masked
+  before the exponential (they would overflow and feed only entries above the diagonal); the
+  factor bounds are version 1's (e^35 / e^40 at per-step decay -5).  Every dot is 2-D with
+  M = 64, N = 16 (a valid tf32 wgmma with 4 warps = one warpgroup); the eight [64, 16]
+  accumulators keep one layout through the key loop.  L2 norms, scale and beta are applied to
+  the accumulators once at the end (row / column scales), so the operands use the raw inputs.
+* G of the key chunk goes to a per-program fp32 scratch (the Tm tile) and every use reads it
+  back after a barrier: 16-row slices and mid_i rows are bit-identical to the 64-row G, and the
+  loads land directly in the layout each dot operand needs (no register layout conversions in
+  the key loop).  For bf16 / fp16 inputs the scratch holds G log2 e (exponentials are one ex2).
+* qg = scale q e^G, kg = k e^(gl - G), gl and Xw = beta k e^G come out of the same key pass (none
+  depends on T); Xw waits in an fp32 buffer (W itself for fp32 inputs).  After the inverse the
+  second pass is only W = T Xw (and U = T beta v).
+* UT inverse, exact, in three levels: 8x8 diagonal blocks by forward substitution (7 steps, all
+  blocks at once), merged to 16x16 blocks (Td = T8 - T8 L8 T8), then T = (I + N)^-1 Td by Horner
+  (N = Td L, N^4 = 0).  Block-diagonal matrices are kept as stacked [64, 16] block columns and
+  expanded through the scratch.
+* "tf32r" operands are rounded by one integer add (_half_up); K3_KDA_V2_RADD=0 restores the
+  add + mask rounding of triton_common (same values; a fallback in case a GPU reads tf32
+  operands other than by truncation).
 """
 
 from __future__ import annotations
