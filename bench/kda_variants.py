@@ -36,6 +36,7 @@ VARIANTS = {
     "fwdv2": {"K3_KDA_FWD_INTRA": "v2"},
     "fwdv2bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BK_FWD": "16"},
     "fwdv2nocd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_CUMDOT": "0"},
+    "fwdv2nradd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_V2_RADD": "0"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]
