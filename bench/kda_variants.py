@@ -37,6 +37,8 @@ VARIANTS = {
     "fwdv2bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BK_FWD": "16"},
     "fwdv2nocd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_CUMDOT": "0"},
     "fwdv2nradd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_V2_RADD": "0"},
+    "fwdv2r168": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168"},
+    "fwdv2r168bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168", "K3_KDA_BK_FWD": "16"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]

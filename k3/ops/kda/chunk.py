@@ -201,13 +201,17 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
+        # K3_KDA_MAXNREG_INTRA caps the registers (e.g. 168: 3 CTAs per SM instead of 2, with
+        # spills; a tuning experiment, GPU only)
+        nreg = os.environ.get("K3_KDA_MAXNREG_INTRA")
+        extra = {"maxnreg": int(nreg)} if nreg else {}
         _kda_fwd_intra_v2[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
             W, U, P, QG, KG, GL, Tm, XW, meta.cu_seqlens, meta.chunk_info,
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=min(_tile("BK_FWD", 32, K), 64), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
             STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
-            RADD=_flag("V2_RADD", True), num_warps=_warps("INTRA", 4), num_stages=1,
+            RADD=_flag("V2_RADD", True), num_warps=_warps("INTRA", 4), num_stages=1, **extra,
         )
     elif NC > 0:
         _kda_fwd_intra[(NC, H)](
