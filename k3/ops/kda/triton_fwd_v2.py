@@ -91,59 +91,57 @@ def _exw(x, ACC: tl.constexpr):
 @triton.jit
 def _rowblock(scr, q, k, row64, nr, col0, i: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
               BK: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
-    """Contributions of one key chunk to row block i of P and A, transposed: two [64, 16] fp32
-    tiles PT[s, c] ~ P[16 i + c, s], AT[s, c] ~ A[16 i + c, s], without the row / column scales
-    (L2 norms, scale, beta: applied once after the key loop).
+    """Contribution of one key chunk to row block i of P and A, transposed, as one [64, 32] fp32
+    tile X: X[s, c] ~ P[16 i + c, s] for c < 16, X[s, 16 + c] ~ A[16 i + c, s], without the row /
+    column scales (L2 norms, scale, beta: applied once after the key loop).
 
     scr holds the key chunk's cumulative decay [64, BK] (row stride BK; see _ex for its domain).
-    Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) is shared by both
-    dots; its rows s >= 16 (i + 1) (above-diagonal entries only, factors that would overflow) are
-    masked before the exponential.  Every operand is loaded here from memory (k from the input, G
-    from the scratch: L1 / L2 hits), so Triton places the loads directly in the dot-operand layout
-    instead of converting a register tile for each dot."""
+    Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) serves P and A in one
+    dot with the right operand [q_i | k_i]^T e^(G_i - mid_i) [BK, 32] (N = 32: half the wgmma
+    groups of two N = 16 dots).  Rows s >= 16 (i + 1) of the left operand (above-diagonal entries
+    only, factors that would overflow) are masked before the exponential.  Every operand is loaded
+    here from memory (k, q from the input, G from the scratch: L1 / L2 hits), so Triton places the
+    loads directly in the dot-operand layouts instead of converting register tiles."""
     o_t = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
-    o16 = tl.arange(0, 16)
+    o32 = tl.arange(0, 32)
     mid = tl.load(scr + (16 * i + 7) * BK + o_c)
     Gl = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
     kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
                  mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
     kc = kl * _ex(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30), ACC)
-    # right operands, transposed [BK, 16]: rows 16 i .. 16 i + 15 of q, k times e^(G - mid_i)
-    rows = 16 * i + o16
+    # right operand, transposed [BK, 32]: rows 16 i .. 16 i + 15 of q, then of k, times e^(G - mid_i)
+    rows = 16 * i + o32 % 16
     Gi = tl.load(scr + rows[None, :] * BK + o_c[:, None])
     midc = tl.load(scr + (16 * i + 7) * BK + o_c)
-    F = _ex(Gi - midc[:, None], ACC)
     offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
-    mrow = (rows < nr)[None, :]
-    qi = tl.load(q + offs, mask=mrow, other=0.0).to(tl.float32) * F
-    ki = tl.load(k + offs, mask=mrow, other=0.0).to(tl.float32) * F
-    return _dotv(kc, qi, AP_PREC, RADD), _dotv(kc, ki, AP_PREC, RADD)
+    src = tl.where((o32 < 16)[None, :], q + offs, k + offs)
+    qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32) * _ex(Gi - midc[:, None], ACC)
+    return _dotv(kc, qk, AP_PREC, RADD)
 
 
 @triton.jit
-def _scale_store(P, scr, tile, PT, AT, rs, i: tl.constexpr):
-    """Row block i of P and A from the transposed tiles: scale (row s: rs = k norm; column t: scale
-    q norm for P, beta k norm for A, both read from scr[64:128], scr[128:192]), mask to the
-    triangle, store P (input dtype, padded [64, 64] tile) and A (fp32, into scr, row stride 64)."""
+def _scale_store(P, scr, tile, X, rs, i: tl.constexpr):
+    """Row block i of P and A from the transposed tile X [64, 32] (see _rowblock): scale (row s:
+    rs = k norm; column: scale q norm for P from scr[64:128], beta k norm for A from scr[128:192]),
+    mask to the triangles, store the P half (input dtype) into the padded [64, 64] P tile and the A
+    half (fp32) into scr (row stride 64; the caller has synchronised)."""
     o_s = tl.arange(0, 64)
-    o16 = tl.arange(0, 16)
-    t = 16 * i + o16
-    cq = tl.load(scr + 64 + t)
-    ca = tl.load(scr + 128 + t)
-    PT = PT * rs[:, None] * cq[None, :]
-    AT = AT * rs[:, None] * ca[None, :]
-    pv = tl.where(o_s[:, None] <= t[None, :], PT, 0.0)
-    tl.store(P + tile * 4096 + t[None, :] * 64 + o_s[:, None], _cvt(pv, P.dtype.element_ty))
-    return tl.where(o_s[:, None] < t[None, :], AT, 0.0)
+    o32 = tl.arange(0, 32)
+    isp = (o32 < 16)[None, :]
+    t = 16 * i + o32 % 16
+    X = X * rs[:, None] * tl.load(scr + 64 + (o32 // 16) * 64 + t)[None, :]
+    pv = tl.where(o_s[:, None] <= t[None, :], X, 0.0)
+    tl.store(P + tile * 4096 + t[None, :] * 64 + o_s[:, None], _cvt(pv, P.dtype.element_ty), mask=isp)
+    return tl.where(o_s[:, None] < t[None, :], X, 0.0)
 
 
 @triton.jit
-def _st_ablock(scr, AT, i: tl.constexpr):
-    """Store row block i of A (given transposed, [64 (s), 16 (t)]) into the scratch (row stride 64)."""
+def _st_ablock(scr, X, i: tl.constexpr):
+    """Store the A half of X (row block i of A, transposed) into the scratch (row stride 64)."""
     o_s = tl.arange(0, 64)
-    o16 = tl.arange(0, 16)
-    tl.store(scr + (16 * i + o16)[None, :] * 64 + o_s[:, None], AT)
+    o32 = tl.arange(0, 32)
+    tl.store(scr + (16 * i + o32 % 16)[None, :] * 64 + o_s[:, None], X, mask=(o32 >= 16)[None, :])
 
 
 @triton.jit
@@ -181,14 +179,10 @@ def _kda_fwd_intra_v2(
     rq, rk = _rnorms(q, k, row64, nr, H, K, BK, L2)
 
     # ---- key pass: A, P row blocks (transposed); qg, kg, gl, Xw ----
-    P0 = tl.zeros([64, 16], dtype=tl.float32)
-    P1 = tl.zeros([64, 16], dtype=tl.float32)
-    P2 = tl.zeros([64, 16], dtype=tl.float32)
-    P3 = tl.zeros([64, 16], dtype=tl.float32)
-    A0 = tl.zeros([64, 16], dtype=tl.float32)
-    A1 = tl.zeros([64, 16], dtype=tl.float32)
-    A2 = tl.zeros([64, 16], dtype=tl.float32)
-    A3 = tl.zeros([64, 16], dtype=tl.float32)
+    X0 = tl.zeros([64, 32], dtype=tl.float32)
+    X1 = tl.zeros([64, 32], dtype=tl.float32)
+    X2 = tl.zeros([64, 32], dtype=tl.float32)
+    X3 = tl.zeros([64, 32], dtype=tl.float32)
     for kc in range(K // BK):
         col0 = kc * BK
         b_q = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32)
@@ -226,18 +220,10 @@ def _kda_fwd_intra_v2(
         else:
             tl.store(GL + tile * K + col0 + o_c, gl * 0.6931471805599453)
         tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kn * b_b[:, None] * eG)
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC, RADD)
-        P0 += dp
-        A0 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC, RADD)
-        P1 += dp
-        A1 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC, RADD)
-        P2 += dp
-        A2 += da
-        dp, da = _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC, RADD)
-        P3 += dp
-        A3 += da
+        X0 += _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC, RADD)
+        X1 += _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC, RADD)
+        X2 += _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC, RADD)
+        X3 += _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC, RADD)
 
     # row / column scales through the scratch (16-element slices in the accumulators' layout)
     tl.debug_barrier()  # G scratch reads done
@@ -246,15 +232,15 @@ def _kda_fwd_intra_v2(
     tl.store(scr + 128 + o_t, b_b * rk)
     tl.debug_barrier()
     rs = tl.load(scr + o_s)
-    A0 = _scale_store(P, scr, tile, P0, A0, rs, 0)
-    A1 = _scale_store(P, scr, tile, P1, A1, rs, 1)
-    A2 = _scale_store(P, scr, tile, P2, A2, rs, 2)
-    A3 = _scale_store(P, scr, tile, P3, A3, rs, 3)
+    X0 = _scale_store(P, scr, tile, X0, rs, 0)
+    X1 = _scale_store(P, scr, tile, X1, rs, 1)
+    X2 = _scale_store(P, scr, tile, X2, rs, 2)
+    X3 = _scale_store(P, scr, tile, X3, rs, 3)
     tl.debug_barrier()  # scale reads done before A overwrites them
-    _st_ablock(scr, A0, 0)
-    _st_ablock(scr, A1, 1)
-    _st_ablock(scr, A2, 2)
-    _st_ablock(scr, A3, 3)
+    _st_ablock(scr, X0, 0)
+    _st_ablock(scr, X1, 1)
+    _st_ablock(scr, X2, 2)
+    _st_ablock(scr, X3, 3)
     tl.debug_barrier()
 
     # ---- T = (I + A)^-1 ----
