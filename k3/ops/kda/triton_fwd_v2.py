@@ -282,9 +282,9 @@ def _kda_fwd_intra_v2(
         tl.store(scr + o_s[None, :] * 64 + o_t[:, None], b_T)
 
     # ---- W = T Xw, U = T beta v ----
-    for kc in range(K // BK):
+    for kc in tl.static_range(K // BK):
         b_x = tl.load(xw + o_t[:, None] * K + kc * BK + o_c[None, :])
         _stc(W, tile, kc * BK, _dotv(b_T, b_x, T_PREC, RADD), K, BK)
-    for vc in range(V // BV):
+    for vc in tl.static_range(V // BV):
         b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
         _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
