@@ -148,8 +148,8 @@ def _stages() -> int:
 
 
 def _fwd_intra_version() -> str:
-    """Forward intra-chunk kernel: "v1" (triton_fwd, default) or "v2" (triton_fwd_v2: 2-D
-    column-block dots).  Env K3_KDA_FWD_INTRA, read per call."""
+    """Forward intra-chunk kernel: "v1" (triton_fwd, default) or "v2" (triton_fwd_v2: 2-D dots
+    only, row-block factorisation).  Env K3_KDA_FWD_INTRA, read per call."""
     ver = os.environ.get("K3_KDA_FWD_INTRA", "v1")
     if ver not in ("v1", "v2"):
         raise ValueError(f"K3_KDA_FWD_INTRA must be v1 or v2, got {ver!r}")
@@ -196,7 +196,8 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     if NC > 0 and _fwd_intra_version() == "v2":
         # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
         # fp32 buffer between the key pass and W = T Xw (W itself when W is fp32).  BK <= 64, and
-        # 4 warps: its [64,64] x [64,16] tf32 dots need N >= 16 per warpgroup (triton#10629).
+        # always 4 warps (K3_KDA_WARPS_INTRA is not read): with 8 its N = 16 tf32 dots would be
+        # split into N = 8 wgmma, which Triton 3.6 mis-pads (triton-lang/triton#10629).
         # K3_KDA_V2_RADD=0: "tf32r" operands rounded by add + mask instead of the add alone.
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
@@ -211,7 +212,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
             scale, float(lower_bound if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=min(_tile("BK_FWD", 32, K), 64), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
             STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
-            RADD=_flag("V2_RADD", True), num_warps=_warps("INTRA", 4), num_stages=1, **extra,
+            RADD=_flag("V2_RADD", True), num_warps=4, num_stages=1, **extra,
         )
     elif NC > 0:
         _kda_fwd_intra[(NC, H)](
