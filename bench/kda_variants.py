@@ -39,6 +39,17 @@ VARIANTS = {
     "bwdsplit64w8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_WARPS_BWDSPLIT": "8"},
     "bwdsplitcd": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_CUMDOT_BWDSPLIT": "1"},
     "bwdsplitr": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_AP_PREC_BWD": "tf32r"},
+    # both new kernels together
+    "v2split": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
+    "v2splitw8": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split", "K3_KDA_WARPS_BWDSPLIT": "8"},
+    # forward intra kernel v2 (k3/ops/kda/triton_fwd_v2.py); 4 warps only (its N = 16 tf32 dots
+    # would become N = 8 wgmma with 8 warps: triton-lang/triton#10629)
+    "fwdv2": {"K3_KDA_FWD_INTRA": "v2"},
+    "fwdv2bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BK_FWD": "16"},
+    "fwdv2nocd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_CUMDOT": "0"},
+    "fwdv2nradd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_V2_RADD": "0"},
+    "fwdv2r168": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168"},
+    "fwdv2r168bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168", "K3_KDA_BK_FWD": "16"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]
@@ -102,7 +113,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
         fwd = bench(lambda: k3_call(xb))
         both = bench(lambda: k3_call(xb).backward(do_big))
         line = f"[{name}] B1 T8192 H96 D128: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
-        if name == "default":
+        if name == "default" or name.startswith("fwdv2"):
             with torch.no_grad():
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
         log(line)

@@ -22,7 +22,8 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 accuracy to ~0.3 % relative (fla's level).
 
 Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
-K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v1 / v2 forward intra
+kernel), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
 widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
 / H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
@@ -46,6 +47,7 @@ import triton
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
+from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
@@ -148,6 +150,15 @@ def _stages() -> int:
     return int(os.environ.get("K3_KDA_STAGES", "2"))
 
 
+def _fwd_intra_version() -> str:
+    """Forward intra-chunk kernel: "v1" (triton_fwd, default) or "v2" (triton_fwd_v2: 2-D dots
+    only, row-block factorisation).  Env K3_KDA_FWD_INTRA, read per call."""
+    ver = os.environ.get("K3_KDA_FWD_INTRA", "v1")
+    if ver not in ("v1", "v2"):
+        raise ValueError(f"K3_KDA_FWD_INTRA must be v1 or v2, got {ver!r}")
+    return ver
+
+
 def _precisions(dtype: torch.dtype) -> tuple[str, str, str, str]:
     """Dot precisions (forward A/P, UT inverse, state / value dots, backward A/P).
 
@@ -185,7 +196,28 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     ap, tp, sp, _ = _precisions(dt)
     dummy = GL
     bv_intra = min(V, 64)
-    if NC > 0:
+    if NC > 0 and _fwd_intra_version() == "v2":
+        # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
+        # fp32 buffer between the key pass and W = T Xw (W itself when W is fp32).  BK <= 64, and
+        # always 4 warps (K3_KDA_WARPS_INTRA is not read): with 8 its N = 16 tf32 dots would be
+        # split into N = 8 wgmma, which Triton 3.6 mis-pads (triton-lang/triton#10629).
+        # K3_KDA_V2_RADD=0: "tf32r" operands rounded by add + mask instead of the add alone.
+        if not training:
+            Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
+        # K3_KDA_MAXNREG_INTRA caps the registers (e.g. 168: 3 CTAs per SM instead of 2, with
+        # spills; a tuning experiment, GPU only)
+        nreg = os.environ.get("K3_KDA_MAXNREG_INTRA")
+        extra = {"maxnreg": int(nreg)} if nreg else {}
+        _kda_fwd_intra_v2[(NC, H)](
+            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
+            W, U, P, QG, KG, GL, Tm, XW, meta.cu_seqlens, meta.chunk_info,
+            scale, float(lower_bound if lower_bound is not None else 0.0),
+            H=H, K=K, V=V, BK=min(_tile("BK_FWD", 32, K), 64), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
+            STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
+            RADD=_flag("V2_RADD", True), num_warps=4, num_stages=1, **extra,
+        )
+    elif NC > 0:
         _kda_fwd_intra[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
             W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
