@@ -22,15 +22,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 VARIANTS = {
-    "default": {},
+    "default": {},  # forward intra v2 + split backward since 2026-12-01
+    "v1fused": {"K3_KDA_FWD_INTRA": "v1", "K3_KDA_BWD_INTRA": "fused"},  # the defaults before
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
     "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
-    "bwdw8": {"K3_KDA_WARPS_BWD": "8"},
-    "bwdw8r": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
-    "intranocd": {"K3_KDA_CUMDOT": "0"},
-    "intraw8": {"K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
-    "bwdw8bk32": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
-    "bwdw8cd": {"K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
+    "bwdw8": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8"},
+    "bwdw8r": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
+    "intranocd": {"K3_KDA_FWD_INTRA": "v1", "K3_KDA_CUMDOT": "0"},
+    "intraw8": {"K3_KDA_FWD_INTRA": "v1", "K3_KDA_WARPS_INTRA": "8", "K3_KDA_CUMDOT": "0"},
+    "bwdw8bk32": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8", "K3_KDA_BK_BWD": "32"},
+    "bwdw8cd": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8", "K3_KDA_CUMDOT_BWD": "1"},
     # split backward intra (k3/ops/kda/triton_bwd_split.py): default BK 32 / 4 warps
     "bwdsplit": {"K3_KDA_BWD_INTRA": "split"},
     "bwdsplit16": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "16"},

@@ -22,14 +22,15 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 accuracy to ~0.3 % relative (fla's level).
 
 Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
-K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v1 / v2 forward intra
-kernel), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v2, default / v1
+forward intra kernel), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
 widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
 / H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
 8 warps becomes a tf32 wgmma with N = 8 per warpgroup, which Triton 3.6 mis-pads: illegal address on
-the H200, triton-lang/triton#10629).  K3_KDA_BWD_INTRA=split selects the split backward intra
-kernels (triton_bwd_split; K3_KDA_BK_BWDSPLIT, K3_KDA_WARPS_BWDSPLIT, K3_KDA_CUMDOT_BWDSPLIT).
+the H200, triton-lang/triton#10629).  K3_KDA_BWD_INTRA: "split" (default; triton_bwd_split, values
+/ keys / finish kernels: K3_KDA_BK_BWDSPLIT, K3_KDA_WARPS_BWDSPLIT, K3_KDA_CUMDOT_BWDSPLIT) or
+"fused" (triton_bwd, one program per chunk and head; 1.6x slower on the H200).
 Measured effects are in docs/kda_kernels.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
@@ -151,12 +152,20 @@ def _stages() -> int:
 
 
 def _fwd_intra_version() -> str:
-    """Forward intra-chunk kernel: "v1" (triton_fwd, default) or "v2" (triton_fwd_v2: 2-D dots
-    only, row-block factorisation).  Env K3_KDA_FWD_INTRA, read per call."""
-    ver = os.environ.get("K3_KDA_FWD_INTRA", "v1")
+    """Forward intra-chunk kernel: "v2" (triton_fwd_v2, default: 2-D dots only, row-block
+    factorisation) or "v1" (triton_fwd).  Env K3_KDA_FWD_INTRA, read per call."""
+    ver = os.environ.get("K3_KDA_FWD_INTRA", "v2")
     if ver not in ("v1", "v2"):
         raise ValueError(f"K3_KDA_FWD_INTRA must be v1 or v2, got {ver!r}")
     return ver
+
+
+def _bwd_intra_impl() -> str:
+    """Backward intra-chunk kernels: "split" (default) or "fused".  Env K3_KDA_BWD_INTRA, per call."""
+    impl = os.environ.get("K3_KDA_BWD_INTRA", "split")
+    if impl not in ("split", "fused"):
+        raise ValueError(f"K3_KDA_BWD_INTRA must be split or fused, got {impl!r}")
+    return impl
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str, str, str]:
@@ -269,7 +278,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
-    if NC > 0 and os.environ.get("K3_KDA_BWD_INTRA", "fused") == "split":
+    if NC > 0 and _bwd_intra_impl() == "split":
         dA_log, ddt = kda_bwd_intra_split(
             q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta, meta, scale,
             float(lower_bound if lower_bound is not None else 0.0), l2, bsig, apb, sp)
