@@ -58,6 +58,7 @@ VARIANTS = {
     "fwdsplitbk16": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "16"},
     "fwdsplitbk64": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64"},
     "fwdsplitw8": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64", "K3_KDA_WARPS_FWDSPLIT": "8"},
+    "fwdsplitnocd": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_CUMDOT": "0"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]
