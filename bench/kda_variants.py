@@ -51,6 +51,14 @@ VARIANTS = {
     "fwdv2nradd": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_V2_RADD": "0"},
     "fwdv2r168": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168"},
     "fwdv2r168bk16": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_MAXNREG_INTRA": "168", "K3_KDA_BK_FWD": "16"},
+    # split forward intra (k3/ops/kda/triton_fwd_split.py): rows / keys / A-P / finish launches;
+    # default BK 32, 4 warps (keys, A-P), NS 1 (W / U in one finish program per chunk and head)
+    "fwdsplit": {"K3_KDA_FWD_INTRA": "split"},
+    "fwdsplitns2": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_NS_FWDSPLIT": "2"},
+    "fwdsplitbk16": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "16"},
+    "fwdsplitbk64": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64"},
+    "fwdsplitw8": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64", "K3_KDA_WARPS_FWDSPLIT": "8"},
+    "fwdsplitnocd": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_CUMDOT": "0"},
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]
@@ -114,7 +122,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
         fwd = bench(lambda: k3_call(xb))
         both = bench(lambda: k3_call(xb).backward(do_big))
         line = f"[{name}] B1 T8192 H96 D128: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
-        if name == "default" or name.startswith("fwdv2"):
+        if name == "default" or name.startswith("fwdv2") or name.startswith("fwdsplit"):
             with torch.no_grad():
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
         log(line)

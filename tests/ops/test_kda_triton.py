@@ -44,9 +44,9 @@ def _seed():
 
 
 # Intra-chunk kernel implementations (chunk.py reads K3_KDA_FWD_INTRA / K3_KDA_BWD_INTRA per
-# call): forward v1 + fused backward, forward v2 + split backward. Two combinations cover all four
-# kernels at the CI cost of two.
-@pytest.fixture(params=["v1-fused", "v2-split"])
+# call): forward v1 + fused backward, forward v2 + split backward, split forward + split backward.
+# Three combinations cover all five kernels.
+@pytest.fixture(params=["v1-fused", "v2-split", "split-split"])
 def impl(request, monkeypatch):
     fwd, bwd = request.param.split("-")
     monkeypatch.setenv("K3_KDA_FWD_INTRA", fwd)
@@ -220,6 +220,58 @@ def test_fwd_intra_v2_matches_v1(dtype, K, V, monkeypatch):
         b = out["v2"][n]
         assert b.dtype == a.dtype and b.shape == a.shape, n
         assert _rel(b, a) < tol, (n, _rel(b, a))
+
+
+FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False, True)]
+
+
+@pytest.mark.parametrize(
+    "dtype,K,V,bk,ns,flags",
+    [(torch.float32, 128, 16, 32, 1, (True, True, True)), (torch.bfloat16, 16, 128, 16, 1, (True, True, True)),
+     (torch.float32, 128, 16, 16, 3, (False, True, False))]
+    + [(torch.bfloat16, 32, 16, 16, 1 + (i % 2), f) for i, f in enumerate(FLAGS)],
+)
+def test_fwd_intra_split_matches_v2(dtype, K, V, bk, ns, flags, monkeypatch):
+    # Every intermediate of the split forward intra kernels against v2's (same contract): varlen with
+    # an empty sequence and partial chunks, training (T stored) and inference, K over several key
+    # chunks (BK 16 / 32), NS 1-3 (W / U column blocks spread over programs), every gate / L2 /
+    # sigmoid-beta combination (small K, V and training only there: CI time).
+    from k3.ops.kda.chunk import _fwd, chunk_meta
+
+    gate, l2, bsig = flags
+    monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", str(bk))
+    monkeypatch.setenv("K3_KDA_NS_FWDSPLIT", str(ns))
+    cu = torch.tensor([0, 70, 70, 100], device=DEV, dtype=torch.int32)
+    x = _inputs(1, 100, 1, K, V, dtype, gate=gate, l2=l2, bsig=bsig, N=3)
+    args = [x[n].detach() if n in x else None for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+    meta = chunk_meta(1, 100, cu, x["q"].device)
+    out = {}
+    for ver in ("v2", "split"):
+        monkeypatch.setenv("K3_KDA_FWD_INTRA", ver)
+        o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=True)
+        if K != 32:
+            o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=False)
+            assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
+        out[ver] = dict(zip(("W", "P", "QG", "KG", "GL", "Tm", "Hs", "VN"), saved), o=o, ht=ht)
+    # Same arithmetic as v2 except the order of the L2 sums (per key chunk inside the A-P pass; the
+    # key rows' and block rows' norms are separate sums) and beta k e^G / ||k|| rebuilt instead of
+    # stored: under the interpreter fp32 differs by <= 1.7e-7, bf16 is bit-identical.  bf16 keeps
+    # v2's 4e-3 (one bf16 rounding step where a GPU's reduction order flips a rounding).
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    for n, a in out["v2"].items():
+        b = out["split"][n]
+        assert b.dtype == a.dtype and b.shape == a.shape, n
+        assert _rel(b, a) < tol, (n, _rel(b, a))
+
+
+def test_split_fwd_rejects_narrow_tf32_wgmma(monkeypatch):
+    # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
+    monkeypatch.setenv("K3_KDA_FWD_INTRA", "split")
+    monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", "16")
+    monkeypatch.setenv("K3_KDA_WARPS_FWDSPLIT", "8")
+    x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
+    with pytest.raises(ValueError, match="BK >= 4"):
+        _run_triton(x, gate=False, l2=False, bsig=False)
 
 
 def test_dispatcher_uses_triton_backend(impl):

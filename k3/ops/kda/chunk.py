@@ -22,8 +22,8 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 accuracy to ~0.3 % relative (fla's level).
 
 Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
-K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v2, default / v1
-forward intra kernel), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v2, default / split /
+v1 forward intra kernel; split: K3_KDA_BK_FWDSPLIT, K3_KDA_WARPS_FWDSPLIT, K3_KDA_NS_FWDSPLIT), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
 widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
 / H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
@@ -48,6 +48,7 @@ import triton
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
+from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes
 
@@ -153,10 +154,11 @@ def _stages() -> int:
 
 def _fwd_intra_version() -> str:
     """Forward intra-chunk kernel: "v2" (triton_fwd_v2, default: 2-D dots only, row-block
-    factorisation) or "v1" (triton_fwd).  Env K3_KDA_FWD_INTRA, read per call."""
+    factorisation), "split" (triton_fwd_split: the same work in four launches of small programs)
+    or "v1" (triton_fwd).  Env K3_KDA_FWD_INTRA, read per call."""
     ver = os.environ.get("K3_KDA_FWD_INTRA", "v2")
-    if ver not in ("v1", "v2"):
-        raise ValueError(f"K3_KDA_FWD_INTRA must be v1 or v2, got {ver!r}")
+    if ver not in ("v1", "v2", "split"):
+        raise ValueError(f"K3_KDA_FWD_INTRA must be v1, v2 or split, got {ver!r}")
     return ver
 
 
@@ -205,7 +207,18 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     ap, tp, sp, _ = _precisions(dt)
     dummy = GL
     bv_intra = min(V, 64)
-    if NC > 0 and _fwd_intra_version() == "v2":
+    ver = _fwd_intra_version()
+    if NC > 0 and ver == "split":
+        # triton_fwd_split: Tm is the A / inverse scratch even without training (knobs
+        # K3_KDA_BK_FWDSPLIT, K3_KDA_WARPS_FWDSPLIT, K3_KDA_NS_FWDSPLIT, see split_tiles)
+        if not training:
+            Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        kda_fwd_intra_split(
+            q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale,
+            float(lower_bound if lower_bound is not None else 0.0), l2, bsig, training, ap, tp,
+            _flag("CUMDOT", True), _flag("V2_RADD", True),
+        )
+    elif NC > 0 and ver == "v2":
         # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
         # fp32 buffer between the key pass and W = T Xw (W itself when W is fp32).  BK <= 64, and
         # always 4 warps (K3_KDA_WARPS_INTRA is not read): with 8 its N = 16 tf32 dots would be

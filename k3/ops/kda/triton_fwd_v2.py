@@ -145,6 +145,51 @@ def _st_ablock(scr, X, i: tl.constexpr):
 
 
 @triton.jit
+def _ut_inverse(a, scr, T_PREC: tl.constexpr, RADD: tl.constexpr):
+    """T = (I + A)^-1 [64, 64] fp32 of the strictly lower A stored row-major at a (fp32, row stride
+    64; the caller has synchronised).  scr[0:1024] (fp32) is the workspace for the stacked 16x16
+    diagonal blocks; it may be a itself (A is read first, then a barrier).  The caller must
+    synchronise before writing scr again."""
+    o_t = tl.arange(0, 64)
+    o_s = tl.arange(0, 64)
+    o16 = tl.arange(0, 16)
+    # Exact, in three levels (A strictly lower; blocks of 8, 16, 64 rows):
+    #  1. the 8x8 diagonal blocks by forward substitution, all eight at once: row r of every block
+    #     becomes e_r - sum_{s<r} A8[r, s] T8[s, :] (7 dependent steps);
+    #  2. the 16x16 diagonal blocks: Td = T8 - T8 L8 T8 with L8 the lower-left 8x8 part of each
+    #     16-block (exact: (T8 L8)^2 = 0);
+    #  3. T = (I + N)^-1 Td = Td - N (Td - N (Td - N Td)) with N = Td L, L the strictly block-lower
+    #     part at 16-row granularity (N^4 = 0).
+    # Diagonal-block matrices live as stacked [64, 16] block columns (row t holds row t % 16 of
+    # its block); the block-diagonal [64, 64] form is gathered from the scratch when needed.
+    Ab = tl.load(a + o_t[:, None] * 64 + o_s[None, :])
+    b16t = (o_t // 16)[:, None]
+    b16s = (o_s // 16)[None, :]
+    A8 = tl.where((o_t // 8)[:, None] == (o_s // 8)[None, :], Ab, 0.0)
+    L8 = tl.where((b16t == b16s) & ((o_t // 8)[:, None] != (o_s // 8)[None, :]), Ab, 0.0)
+    L = tl.where(b16t > b16s, Ab, 0.0)
+    I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
+    Ts = I16
+    for r in range(1, 8):
+        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dotv(A8, Ts, T_PREC, RADD), Ts)
+    tl.debug_barrier()  # A reads done
+    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
+    tl.debug_barrier()
+    same = b16t == b16s
+    T8f = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
+    Ts = Ts - _dotv(T8f, _dotv(L8, Ts, T_PREC, RADD), T_PREC, RADD)
+    tl.debug_barrier()  # T8 reads done
+    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
+    tl.debug_barrier()
+    Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
+    N = _dotv(Tdf, L, T_PREC, RADD)
+    Z = Tdf - _dotv(N, Tdf, T_PREC, RADD)
+    Z = Tdf - _dotv(N, Z, T_PREC, RADD)
+    b_T = Tdf - _dotv(N, Z, T_PREC, RADD)
+    return b_T
+
+
+@triton.jit
 def _kda_fwd_intra_v2(
     q, k, v, g, beta, A_log, dt_bias,
     W, U, P, QG, KG, GL, Tm, XW,
@@ -243,40 +288,8 @@ def _kda_fwd_intra_v2(
     _st_ablock(scr, X3, 3)
     tl.debug_barrier()
 
-    # ---- T = (I + A)^-1 ----
-    # Exact, in three levels (A strictly lower; blocks of 8, 16, 64 rows):
-    #  1. the 8x8 diagonal blocks by forward substitution, all eight at once: row r of every block
-    #     becomes e_r - sum_{s<r} A8[r, s] T8[s, :] (7 dependent steps);
-    #  2. the 16x16 diagonal blocks: Td = T8 - T8 L8 T8 with L8 the lower-left 8x8 part of each
-    #     16-block (exact: (T8 L8)^2 = 0);
-    #  3. T = (I + N)^-1 Td = Td - N (Td - N (Td - N Td)) with N = Td L, L the strictly block-lower
-    #     part at 16-row granularity (N^4 = 0).
-    # Diagonal-block matrices live as stacked [64, 16] block columns (row t holds row t % 16 of
-    # its block); the block-diagonal [64, 64] form is gathered from the scratch when needed.
-    Ab = tl.load(scr + o_t[:, None] * 64 + o_s[None, :])
-    b16t = (o_t // 16)[:, None]
-    b16s = (o_s // 16)[None, :]
-    A8 = tl.where((o_t // 8)[:, None] == (o_s // 8)[None, :], Ab, 0.0)
-    L8 = tl.where((b16t == b16s) & ((o_t // 8)[:, None] != (o_s // 8)[None, :]), Ab, 0.0)
-    L = tl.where(b16t > b16s, Ab, 0.0)
-    I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
-    Ts = I16
-    for r in range(1, 8):
-        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dotv(A8, Ts, T_PREC, RADD), Ts)
-    tl.debug_barrier()  # A reads done
-    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
-    tl.debug_barrier()
-    same = b16t == b16s
-    T8f = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    Ts = Ts - _dotv(T8f, _dotv(L8, Ts, T_PREC, RADD), T_PREC, RADD)
-    tl.debug_barrier()  # T8 reads done
-    tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
-    tl.debug_barrier()
-    Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    N = _dotv(Tdf, L, T_PREC, RADD)
-    Z = Tdf - _dotv(N, Tdf, T_PREC, RADD)
-    Z = Tdf - _dotv(N, Z, T_PREC, RADD)
-    b_T = Tdf - _dotv(N, Z, T_PREC, RADD)
+    # ---- T = (I + A)^-1 (_ut_inverse) ----
+    b_T = _ut_inverse(scr, scr, T_PREC, RADD)
     if STORE_T:  # transposed: the backward needs T^T dVn
         tl.debug_barrier()  # Td reads done
         tl.store(scr + o_s[None, :] * 64 + o_t[:, None], b_T)

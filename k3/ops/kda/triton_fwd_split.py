@@ -1,0 +1,314 @@
+"""Split KDA forward intra-chunk kernels (Triton): small programs, 2-D dots only.
+
+Replacement for `_kda_fwd_intra_v2` (triton_fwd_v2.py), selected with env K3_KDA_FWD_INTRA=split;
+same inputs and the same outputs (W, U, P, QG, KG, GL and, when training, the transposed T in Tm;
+same dtypes, chunk-major padded layouts, varlen, in-kernel gate, L2 norm, sigmoid beta, precision
+knobs).  v2 runs one latency-bound program per (chunk, head) (~250 registers, 2 CTAs per SM, the
+key loop, the inverse and W / U in one dependent chain); here the work is cut into three launches
+whose programs are short and light (76-161 registers), so that more of them share an SM and hide
+each other's latency:
+
+  1. `_kda_fwd_keys`, grid (chunks * K/BK, H), key chunk fastest: for its BK columns the gate and
+     the cumulative decay G -> GS [NC, H, 64, K] fp32 (for bf16 / fp16 inputs as G log2 e, see
+     triton_fwd_v2._ex), gl -> GL.  Reads g only.
+  2. `_kda_fwd_ap`, grid (chunks * 4, H), row block fastest: row block i (rows 16 i .. 16 i + 15)
+     of P and A over all key columns with v2's transposed row-block dots (reference
+     mid_i = G[16 i + 7]):
+         X[:, block i] += (k e^(mid_i - G))[64, BK] @ ([q_i | k_i] e^(G_i - mid_i))^T [BK, 32]
+     G read back from GS (the bits the keys kernel wrote).  Splitting by row block instead of by
+     key chunk leaves nothing to reduce across programs: no fp32 partial A / P through memory
+     (with K/BK key-chunk programs those would be K/BK x 32 KB per (chunk, head), ~1.6 GB written
+     and read at B1 T8192 H96 K128).  The L2 norms are summed from the same loads (whole rows of k,
+     the rows of block i of q), so q and k need no separate norm pass.  Then: scale, mask, P rows
+     (input dtype), A rows (fp32, ABUF = the Tm tile unless NS > 1), ROWS [NC, H, 4, 64] fp32 =
+     (1/||k||, scale/||q||, beta/||k||, beta) for the rows of block i, and qg = scale q e^G / ||q||,
+     kg = k e^(gl - G) / ||k|| for the rows of block i (a second pass over the key chunks).
+  3. `_kda_fwd_finish`, grid (chunks * NS, H): v2's exact three-level UT inverse (`_ut_inverse`),
+     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS: v2
+     stores it) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
+     inverse (A then in its own buffer ABUF, a private 4 KB workspace INVW each) and take every
+     NS-th column block of W / U (W blocks first, then U).
+
+Deterministic: every output element is written by exactly one program, every sum runs in a fixed
+order, no atomics.  Scratch (fp32): GS (W itself for fp32 inputs: the finish kernel reads a column
+block of G before it writes that block of W, in the same program), ROWS, Tm (also without
+training), with NS > 1 ABUF and INVW.
+
+Dot shapes (Triton 3.6 / sm_90): the keys kernel's cumulative-decay dots have N = BK, the row-block
+dots N = 32, the inverse N = 16 / 64 (finish kernel: always 4 warps), W / U N = BK / BV.  With w
+warps N is split over w / 4 warpgroups and tf32 wgmma must keep N >= 16 per warpgroup
+(triton-lang/triton#10629), hence BK >= 4 * warps (checked by `split_tiles`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.kda.triton_common import (
+    _cvt,
+    _dot,
+    _exp,
+    _gate,
+    _ld,
+    _stc,
+    _tf32_round,
+)
+from k3.ops.kda.triton_fwd_v2 import _dotv, _ex, _exw, _half_up, _ut_inverse
+
+
+@triton.jit
+def _chunk(cu_seqlens, chunk_info, i_c, i_h, H: tl.constexpr):
+    """(row64, nr, tile) of chunk i_c, head i_h: first token row (int64, token-major), number of
+    valid rows (may exceed 64), chunk-major tile index (int64)."""
+    i_n = tl.load(chunk_info + 2 * i_c)
+    start = tl.load(chunk_info + 2 * i_c + 1)
+    nr = tl.load(cu_seqlens + i_n + 1) - start
+    return start.to(tl.int64) * H + i_h, nr, i_c.to(tl.int64) * H + i_h
+
+
+@triton.jit
+def _kda_fwd_keys(
+    g, A_log, dt_bias, GL, GS, cu_seqlens, chunk_info, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, CUMDOT: tl.constexpr,
+    RADD: tl.constexpr, ACC: tl.constexpr,
+):
+    """Key columns [i_k BK, i_k BK + BK) of one (chunk, head): the gate and the cumulative decay
+    G -> GS [64, BK] (fp32, scratch domain: G for fp32 inputs (ACC), G log2 e otherwise), gl = G's
+    last row -> GL (fp32, natural log)."""
+    NK: tl.constexpr = K // BK
+    i_c = tl.program_id(0) // NK
+    i_k = tl.program_id(0) % NK
+    i_h = tl.program_id(1)
+    row64, nr, tile = _chunk(cu_seqlens, chunk_info, i_c, i_h, H)
+    col0 = i_k * BK
+    o_t = tl.arange(0, 64)
+    o_c = tl.arange(0, BK)
+    b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, o_t < nr,
+                lower_bound, K, BK, GATE)
+    if CUMDOT:
+        # as triton_fwd_v2: the 0/1 triangle is exact in tf32, two products (head + rounded
+        # remainder) reach tf32x3's accuracy
+        tri = (o_t[None, :] <= o_t[:, None]).to(tl.float32)
+        g_hi = _tf32_round(b_g)
+        if RADD:
+            G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
+        else:
+            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
+    else:
+        G = tl.cumsum(b_g, axis=0)
+    if not ACC:
+        G = G * 1.4426950408889634  # scratch domain (triton_fwd_v2._ex)
+    tl.store(GS + tile * (64 * K) + o_t[:, None] * K + col0 + o_c[None, :], G)
+    # gl: G's last row bit for bit (the A-P kernel reads it back from GS for kg = k e^(gl - G))
+    gl = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), axis=0)
+    if ACC:
+        tl.store(GL + tile * K + col0 + o_c, gl)
+    else:
+        tl.store(GL + tile * K + col0 + o_c, gl * 0.6931471805599453)
+
+
+@triton.jit
+def _rowblock(gs, q, k, row64, nr, col0, i, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+              AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
+    """Unscaled contribution of key columns [col0, col0 + BK) to row block i of P and A, transposed,
+    as one [64, 32] fp32 tile X: X[s, c] ~ P[16 i + c, s] (c < 16), X[s, 16 + c] ~ A[16 i + c, s].
+    Also returns the squares of this column slice summed per row, for the L2 norms: [64] over the
+    key rows s (k), [32] over the operand rows (q rows of block i, then k rows of block i).
+
+    gs points at column col0 of the (chunk, head)'s G in GS (row stride K).  As triton_fwd_v2's
+    _rowblock (there G sits in a [64, BK] scratch; here i is a runtime value).  Rows s >= 16 (i + 1)
+    of the left operand (above-diagonal entries only, whose factors would overflow) are masked
+    before the exponential.  Operands are loaded from memory (L1 / L2 hits) in the layouts the dot
+    wants."""
+    o_t = tl.arange(0, 64)
+    o_c = tl.arange(0, BK)
+    o32 = tl.arange(0, 32)
+    mid = tl.load(gs + (16 * i + 7) * K + o_c)
+    Gl = tl.load(gs + o_t[:, None] * K + o_c[None, :])
+    kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
+                 mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
+    kc = kl * _ex(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30), ACC)
+    # right operand, transposed [BK, 32]: rows 16 i .. 16 i + 15 of q, then of k, times e^(G - mid_i)
+    rows = 16 * i + o32 % 16
+    Gi = tl.load(gs + rows[None, :] * K + o_c[:, None])
+    midc = tl.load(gs + (16 * i + 7) * K + o_c)
+    offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
+    src = tl.where((o32 < 16)[None, :], q + offs, k + offs)
+    qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
+    X = _dotv(kc, qk * _ex(Gi - midc[:, None], ACC), AP_PREC, RADD)
+    return X, tl.sum(kl * kl, axis=1), tl.sum(qk * qk, axis=0)
+
+
+@triton.jit
+def _kda_fwd_ap(
+    q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu_seqlens, chunk_info, scale,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
+    AP_PREC: tl.constexpr, RADD: tl.constexpr,
+):
+    """Rows 16 i .. 16 i + 15 (row block i) of: P [64, 64] (input dtype, causal incl. the diagonal),
+    the strictly lower A (fp32, ABUF tile, row stride 64), qg = scale q e^G / ||q|| and
+    kg = k e^(gl - G) / ||k|| (QG, KG, input dtype), and ROWS [4, 64] fp32 = (1/||k||,
+    scale/||q||, beta/||k||, beta) (norms 1 without L2, beta after the sigmoid, 0 past the end).
+
+    The L2 norms come from the key pass's own loads (whole rows of k and the rows of block i of q
+    are read anyway): no separate norm pass, and q / k rows are read from DRAM once per chunk."""
+    i_c = tl.program_id(0) // 4
+    i = tl.program_id(0) % 4
+    i_h = tl.program_id(1)
+    row64, nr, tile = _chunk(cu_seqlens, chunk_info, i_c, i_h, H)
+    ACC: tl.constexpr = q.dtype.element_ty == tl.float32
+    gs = GS + tile * (64 * K)
+    X = tl.zeros([64, 32], dtype=tl.float32)
+    sk = tl.zeros([64], dtype=tl.float32)
+    sqk = tl.zeros([32], dtype=tl.float32)
+    for kc in range(K // BK):
+        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, AP_PREC, ACC, RADD)
+        X += dX
+        if L2:
+            sk += dsk
+            sqk += dsqk
+    o_s = tl.arange(0, 64)
+    o32 = tl.arange(0, 32)
+    t = 16 * i + o32 % 16
+    # beta of rows t (row block i, repeated for both halves of X)
+    b_t = tl.load(beta + row64 + t.to(tl.int64) * H, mask=t < nr, other=0.0).to(tl.float32)
+    if BSIG:
+        b_t = tl.where(t < nr, 1.0 / (1.0 + _exp(-b_t)), 0.0)
+    if L2:
+        rs = tl.rsqrt(sk + 1e-6)  # key rows s
+        r32 = tl.rsqrt(sqk + 1e-6)  # 1/||q_t|| (first half), 1/||k_t|| (second half)
+    else:
+        rs = tl.full([64], 1.0, tl.float32)
+        r32 = tl.full([32], 1.0, tl.float32)
+    # column scale: scale/||q_t|| for P, beta_t/||k_t|| for A
+    cs = tl.where(o32 < 16, r32 * scale, r32 * b_t)
+    rows = ROWS + tile * 256
+    tl.store(rows + 64 + t, cs, mask=o32 < 16)
+    tl.store(rows + t, r32, mask=o32 >= 16)
+    tl.store(rows + 128 + t, cs, mask=o32 >= 16)
+    tl.store(rows + 192 + t, b_t, mask=o32 >= 16)
+    X = X * rs[:, None] * cs[None, :]
+    offs = tile * 4096 + t[None, :] * 64 + o_s[:, None]
+    tl.store(P + offs, _cvt(tl.where(o_s[:, None] <= t[None, :], X, 0.0), P.dtype.element_ty),
+             mask=(o32 < 16)[None, :])
+    tl.store(ABUF + offs, tl.where(o_s[:, None] < t[None, :], X, 0.0), mask=(o32 >= 16)[None, :])
+
+    # qg, kg of the rows of block i, every key column (the row scales go through ROWS: [16]
+    # vectors in the tiles' row layout; this program's own stores, visible after the barrier)
+    tl.debug_barrier()
+    o16 = tl.arange(0, 16)
+    o_c = tl.arange(0, BK)
+    r16 = 16 * i + o16
+    rq16 = tl.load(rows + 64 + r16)
+    rk16 = tl.load(rows + r16)
+    m16 = (r16 < nr)[:, None]
+    for kc in range(K // BK):
+        col0 = kc * BK
+        G = tl.load(gs + r16[:, None] * K + col0 + o_c[None, :])
+        gl = tl.load(gs + 63 * K + col0 + o_c)
+        o_in = (row64 + r16.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :]
+        b_q = tl.load(q + o_in, mask=m16, other=0.0).to(tl.float32)
+        b_k = tl.load(k + o_in, mask=m16, other=0.0).to(tl.float32)
+        o_out = tile * (64 * K) + r16[:, None] * K + col0 + o_c[None, :]
+        tl.store(QG + o_out, _cvt(b_q * rq16[:, None] * _exw(G, ACC), QG.dtype.element_ty))
+        tl.store(KG + o_out, _cvt(b_k * rk16[:, None] * _exw(gl[None, :] - G, ACC), KG.dtype.element_ty))
+
+
+@triton.jit
+def _kda_fwd_finish(
+    k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu_seqlens, chunk_info,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr, RADD: tl.constexpr,
+):
+    """T = (I + A)^-1 (T^T -> Tm when STORE_T), W = T Xw [64, K], U = T beta v [64, V]; program j of
+    the NS programs of a (chunk, head) writes the column blocks b (W blocks first, then U) with
+    b % NS == j.  NS == 1: ABUF is Tm (A read, then the workspace, then T^T)."""
+    i_c = tl.program_id(0) // NS
+    j = tl.program_id(0) % NS
+    i_h = tl.program_id(1)
+    row64, nr, tile = _chunk(cu_seqlens, chunk_info, i_c, i_h, H)
+    o_t = tl.arange(0, 64)
+    o_c = tl.arange(0, BK)
+    ACC: tl.constexpr = k.dtype.element_ty == tl.float32
+    if NS == 1:
+        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC, RADD)
+    else:
+        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC, RADD)
+    if STORE_T:  # transposed: the backward needs T^T dVn
+        if NS == 1:
+            tl.debug_barrier()  # the inverse's workspace reads are done
+            tl.store(Tm + tile * 4096 + o_t[None, :] * 64 + o_t[:, None], b_T)
+        else:
+            if j == 0:  # T from every program is the same; one writes it
+                tl.store(Tm + tile * 4096 + o_t[None, :] * 64 + o_t[:, None], b_T)
+    rows = ROWS + tile * 256
+    rk = tl.load(rows + o_t)
+    b_b = tl.load(rows + 192 + o_t)
+    gs = GS + tile * (64 * K)
+    for kc in tl.static_range(K // BK):
+        if kc % NS == j:
+            # Xw = beta k e^G / ||k|| (as v2 writes it), rebuilt from G in GS
+            b_kn = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+            G = tl.load(gs + o_t[:, None] * K + kc * BK + o_c[None, :])
+            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC, RADD), K, BK)
+    for vc in tl.static_range(V // BV):
+        if (K // BK + vc) % NS == j:
+            b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
+            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
+
+
+def split_tiles(K: int) -> tuple[int, int, int]:
+    """(BK, warps of the keys / A-P kernels, NS); env K3_KDA_BK_FWDSPLIT (default 32, at most 64),
+    K3_KDA_WARPS_FWDSPLIT (default 4), K3_KDA_NS_FWDSPLIT (default 1) override."""
+    bk = min(K, 64, int(os.environ.get("K3_KDA_BK_FWDSPLIT", "32")))
+    warps = int(os.environ.get("K3_KDA_WARPS_FWDSPLIT", "4"))
+    ns = int(os.environ.get("K3_KDA_NS_FWDSPLIT", "1"))
+    if bk < 4 * warps:
+        raise ValueError(f"split forward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
+                         "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
+    if ns < 1:
+        raise ValueError(f"K3_KDA_NS_FWDSPLIT must be >= 1, got {ns}")
+    return bk, warps, ns
+
+
+def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale: float,
+                        lower_bound: float, l2: bool, bsig: bool, store_t: bool, ap_prec: str,
+                        t_prec: str, cumdot: bool, radd: bool):
+    """Launch the three split kernels; fills W, U, P, QG, KG, GL and Tm (fp32 [NC, H, 64, 64], T^T
+    when store_t, else scratch) in place.  Inputs: q, k [B, T, H, K], v [B, T, H, V], g, beta as
+    chunk_kda receives them (contiguous); W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64,
+    64] in the input dtype, GL [NC, H, K] fp32.
+
+    Scratch (fp32): ROWS [NC, H, 4, 64]; GS [NC, H, 64, K] (W itself for fp32 inputs); with
+    NS > 1 also ABUF [NC, H, 64, 64] and INVW [NC, H, NS, 64, 16]."""
+    H, K = q.shape[-2:]
+    V = v.shape[-1]
+    NC, dev = meta.NC, q.device
+    gate = A_log is not None
+    bk, warps, ns = split_tiles(K)
+    f32 = {"device": dev, "dtype": torch.float32}
+    ROWS = torch.empty(NC, H, 4, 64, **f32)
+    GS = W if q.dtype == torch.float32 else torch.empty(NC, H, 64, K, **f32)
+    if ns > 1:
+        ABUF = torch.empty(NC, H, 64, 64, **f32)
+        INVW = torch.empty(NC, H, ns, 64, 16, **f32)
+    else:
+        ABUF = INVW = Tm
+    cu, ci = meta.cu_seqlens, meta.chunk_info
+    _kda_fwd_keys[(NC * (K // bk), H)](
+        g, A_log if gate else ROWS, dt_bias if gate else ROWS, GL, GS, cu, ci, lower_bound,
+        H=H, K=K, BK=bk, GATE=gate, CUMDOT=cumdot, RADD=radd, ACC=q.dtype == torch.float32,
+        num_warps=warps, num_stages=1,
+    )
+    _kda_fwd_ap[(NC * 4, H)](
+        q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu, ci, scale, H=H, K=K, BK=bk, L2=l2, BSIG=bsig,
+        AP_PREC=ap_prec, RADD=radd, num_warps=warps, num_stages=1,
+    )
+    _kda_fwd_finish[(NC * ns, H)](
+        k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu, ci, H=H, K=K, V=V, BK=bk, BV=min(V, 64), NS=ns,
+        STORE_T=store_t, T_PREC=t_prec, RADD=radd, num_warps=4, num_stages=1,
+    )
