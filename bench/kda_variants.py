@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 VARIANTS = {
-    "default": {},  # forward intra v2 + split backward since 2026-12-01
+    "default": {},  # split forward intra (scan decay) + split backward since 2026-12-01
     "v1fused": {"K3_KDA_FWD_INTRA": "v1", "K3_KDA_BWD_INTRA": "fused"},  # the defaults before
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
     "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
@@ -41,7 +41,8 @@ VARIANTS = {
     "bwdsplitcd": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_CUMDOT_BWDSPLIT": "1"},
     "bwdsplitr": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_AP_PREC_BWD": "tf32r"},
     # both new kernels together
-    "v2split": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
+    "v2split": {  # v2 forward + split backward (the defaults of the morning of 2026-12-01)
+       "K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
     "v2splitw8": {"K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split", "K3_KDA_WARPS_BWDSPLIT": "8"},
     # forward intra kernel v2 (k3/ops/kda/triton_fwd_v2.py); 4 warps only (its N = 16 tf32 dots
     # would become N = 8 wgmma with 8 warps: triton-lang/triton#10629)
@@ -58,7 +59,7 @@ VARIANTS = {
     "fwdsplitbk16": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "16"},
     "fwdsplitbk64": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64"},
     "fwdsplitw8": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_BK_FWDSPLIT": "64", "K3_KDA_WARPS_FWDSPLIT": "8"},
-    "fwdsplitnocd": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_CUMDOT": "0"},
+    "fwdsplitcd": {"K3_KDA_FWD_INTRA": "split", "K3_KDA_CUMDOT": "1"},  # dot decay (scan is the default)
 }
 # (tile width or "auto", warps); "auto" = the library's choice
 DECODE = [("auto", "4")]

@@ -241,6 +241,9 @@ def test_fwd_intra_split_matches_v2(dtype, K, V, bk, ns, flags, monkeypatch):
     gate, l2, bsig = flags
     monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", str(bk))
     monkeypatch.setenv("K3_KDA_NS_FWDSPLIT", str(ns))
+    # same cumulative-decay arithmetic in both (split defaults to the scan, v2 to the dot; the scan
+    # default is covered against float64 by the "split-split" runs of every test above)
+    monkeypatch.setenv("K3_KDA_CUMDOT", "1")
     cu = torch.tensor([0, 70, 70, 100], device=DEV, dtype=torch.int32)
     x = _inputs(1, 100, 1, K, V, dtype, gate=gate, l2=l2, bsig=bsig, N=3)
     args = [x[n].detach() if n in x else None for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]

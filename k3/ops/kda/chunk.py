@@ -22,7 +22,7 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 accuracy to ~0.3 % relative (fla's level).
 
 Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
-K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (v2, default / split /
+K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (split, default / v2 /
 v1 forward intra kernel; split: K3_KDA_BK_FWDSPLIT, K3_KDA_WARPS_FWDSPLIT, K3_KDA_NS_FWDSPLIT), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
 widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
 K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
@@ -153,10 +153,11 @@ def _stages() -> int:
 
 
 def _fwd_intra_version() -> str:
-    """Forward intra-chunk kernel: "v2" (triton_fwd_v2, default: 2-D dots only, row-block
-    factorisation), "split" (triton_fwd_split: the same work in four launches of small programs)
-    or "v1" (triton_fwd).  Env K3_KDA_FWD_INTRA, read per call."""
-    ver = os.environ.get("K3_KDA_FWD_INTRA", "v2")
+    """Forward intra-chunk kernel: "split" (triton_fwd_split, default: keys / A-P / finish launches
+    of small programs; H200 B1 T8192 H96: 1.96 ms), "v2" (triton_fwd_v2: one program per chunk
+    and head, 2-D dots only; 2.12 ms) or "v1" (triton_fwd; 2.19 ms).  Env K3_KDA_FWD_INTRA, read
+    per call."""
+    ver = os.environ.get("K3_KDA_FWD_INTRA", "split")
     if ver not in ("v1", "v2", "split"):
         raise ValueError(f"K3_KDA_FWD_INTRA must be v1, v2 or split, got {ver!r}")
     return ver
@@ -216,7 +217,9 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         kda_fwd_intra_split(
             q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale,
             float(lower_bound if lower_bound is not None else 0.0), l2, bsig, training, ap, tp,
-            _flag("CUMDOT", True), _flag("V2_RADD", True),
+            # cumulative decay by scan here (K3_KDA_CUMDOT=1: tf32x3 dot): the keys kernel is
+            # faster with the scan on the H200 (0.31 vs 0.35 ms) and the scan is exact fp32
+            _flag("CUMDOT", False), _flag("V2_RADD", True),
         )
     elif NC > 0 and ver == "v2":
         # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
