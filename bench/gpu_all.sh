@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -49,7 +49,10 @@ for s in $sections; do
     variants)  # KDA kernel variants (env switches): numerics vs float64, fwd / fwd+bwd times, per-kernel profile
       python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} 2>&1 | quiet > "$OUT/variants.txt"
       grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants)"; exit 2 ;;
+    shortconv)  # fused short conv + SiLU vs the transpose + cuDNN depthwise conv path
+      python bench/short_conv.py 2>&1 | quiet > "$OUT/shortconv.txt"
+      grep -E "^\||check" "$OUT/shortconv.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

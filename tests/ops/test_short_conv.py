@@ -55,6 +55,14 @@ def test_packed_documents_with_short_ones():
     _check(1, 45, 3, 16, 4, torch.float32, cu=[0, 1, 3, 20, 38, 45])
 
 
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_backward_block_edges(W):
+    # several 32-row blocks (the backward reads output rows across block edges), documents starting just
+    # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents
+    _check(1, 150, 3, 48, W, torch.float32, cu=[0, 1, 3, 63, 66, 128, 129, 150])
+    _check(2, 131, 3, 48, W, torch.float32)
+
+
 def test_sliced_input_and_one_stream():
     _check(1, 40, 1, 48, 3, torch.float32, cu=[0, 13, 40], sliced=True)
 

@@ -1,0 +1,96 @@
+"""KDA's short convolution (depthwise causal conv, width 4, + SiLU) on one GPU: k3's Triton kernels
+(`k3.ops.short_conv`) against the plain PyTorch path (transpose, fp32 cuDNN depthwise conv1d, SiLU,
+split into streams) on identical packed inputs.
+
+Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; backward: read x and
+dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
+Correctness first: forward and both gradients against the float64 loops on a smaller input.
+
+Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+
+
+def torch_path(x: torch.Tensor, w: torch.Tensor, streams: int) -> torch.Tensor:
+    """The PyTorch baseline: [1, T, S*C] -> [S, 1, T, C] (documents ignored: a lower bound on its cost)."""
+    T, SC = x.shape[1:]
+    W = w.shape[-1]
+    y = F.conv1d(x.transpose(1, 2).float(), w, padding=W - 1, groups=SC)[..., :T]
+    z = F.silu(y).to(x.dtype)  # [1, SC, T]
+    return z.reshape(streams, SC // streams, T).transpose(1, 2).unsqueeze(1).contiguous()
+
+
+def check(streams: int) -> None:
+    from k3.ops.short_conv import short_conv_silu
+    from k3.ops.short_conv.reference import short_conv_silu_reference
+
+    torch.manual_seed(0)
+    T, C = 3000, 256
+    cu = torch.tensor([0, 1, 700, 701, 2048, 3000], device="cuda", dtype=torch.int32)
+    x = torch.randn(1, T, streams * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(streams * C, 1, 4, device="cuda") * 0.5).requires_grad_()
+    out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = short_conv_silu_reference(xr, wr, cu).reshape(1, T, streams, C).permute(2, 0, 1, 3)
+    do = torch.randn_like(ref)
+    out.backward(do.to(out.dtype))
+    ref.backward(do)
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
+    e = (rel(out, ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
+    print(f"check (bf16 vs float64, T {T}, 5 documents): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
+    if max(e) > 1e-2:
+        raise SystemExit("short conv check FAILED")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--channels", type=int, default=3072, help="S*C (q, k, v streams together)")
+    ap.add_argument("--streams", type=int, default=3)
+    ap.add_argument("--docs", type=int, default=8)
+    args = ap.parse_args(argv)
+    from triton.testing import do_bench
+
+    from k3.ops.short_conv import document_starts, short_conv_silu
+
+    check(args.streams)
+    T, SC = args.tokens, args.channels
+    x = torch.randn(1, T, SC, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(SC, 1, 4, device="cuda") * 0.5).requires_grad_()
+    cu = torch.linspace(0, T, args.docs + 1, device="cuda").round().to(torch.int32)
+    starts = document_starts(cu, T)
+    do = torch.randn(args.streams, 1, T, SC // args.streams, device="cuda", dtype=torch.bfloat16)
+    impls = {"k3 triton": lambda: short_conv_silu(x, w, streams=args.streams, starts=starts),
+             "torch cudnn": lambda: torch_path(x, w, args.streams)}
+    nbytes = T * SC * 2 * 2  # read x, write out (bf16); the backward reads x and dout, writes dx: 1.5x
+    res = {}
+    for name, fn in impls.items():
+        fwd = do_bench(fn, warmup=25, rep=100)
+        both = do_bench(lambda fn=fn: fn().backward(do), warmup=25, rep=100, grad_to_none=[x, w])
+        res[name] = (fwd, both)
+    print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16, {args.docs} documents, "
+          f"{torch.cuda.get_device_name()}")
+    print("| impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | torch / impl (fwd+bwd) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    base = res["torch cudnn"][1]
+    for name, (fwd, both) in res.items():
+        gf, gb = nbytes / fwd / 1e6, 2.5 * nbytes / both / 1e6
+        print(f"| {name} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | {gb:,.0f} | "
+              f"{gb * 1e9 / HBM:.2f} | {base / both:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
