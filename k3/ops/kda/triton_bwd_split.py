@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton_common import (
+    _chunk,
     INTERPRETED,
     _beta,
     _cvt,
@@ -89,16 +90,6 @@ def _dot3(a, b, PREC: tl.constexpr, HAND: tl.constexpr):
         return _tdot(ah, bh, acc)
     else:
         return _dot(a, b, PREC)
-
-
-@triton.jit
-def _chunk(cu_seqlens, chunk_info, i_c, i_h, H: tl.constexpr):
-    """(row64, nr, tile) of chunk i_c, head i_h: first token row (int64, token-major), number of
-    valid rows (may exceed 64), chunk-major tile index (int64)."""
-    i_n = tl.load(chunk_info + 2 * i_c)
-    start = tl.load(chunk_info + 2 * i_c + 1)
-    nr = tl.load(cu_seqlens + i_n + 1) - start
-    return start.to(tl.int64) * H + i_h, nr, i_c.to(tl.int64) * H + i_h
 
 
 @triton.jit

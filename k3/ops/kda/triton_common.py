@@ -268,3 +268,13 @@ def _dot(a, b, PREC: tl.constexpr):
             return tl.dot(a, b, input_precision="tf32")
         else:
             return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _chunk(cu_seqlens, chunk_info, i_c, i_h, H: tl.constexpr):
+    """(row64, nr, tile) of chunk i_c, head i_h: first token row (int64, token-major), number of
+    valid rows (may exceed 64), chunk-major tile index (int64)."""
+    i_n = tl.load(chunk_info + 2 * i_c)
+    start = tl.load(chunk_info + 2 * i_c + 1)
+    nr = tl.load(cu_seqlens + i_n + 1) - start
+    return start.to(tl.int64) * H + i_h, nr, i_c.to(tl.int64) * H + i_h

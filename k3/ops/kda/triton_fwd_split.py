@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton_common import (
+    _chunk,
     _cvt,
     _dot,
     _exp,
@@ -58,16 +59,6 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
 )
 from k3.ops.kda.triton_fwd_v2 import _dotv, _ex, _exw, _half_up, _ut_inverse
-
-
-@triton.jit
-def _chunk(cu_seqlens, chunk_info, i_c, i_h, H: tl.constexpr):
-    """(row64, nr, tile) of chunk i_c, head i_h: first token row (int64, token-major), number of
-    valid rows (may exceed 64), chunk-major tile index (int64)."""
-    i_n = tl.load(chunk_info + 2 * i_c)
-    start = tl.load(chunk_info + 2 * i_c + 1)
-    nr = tl.load(cu_seqlens + i_n + 1) - start
-    return start.to(tl.int64) * H + i_h, nr, i_c.to(tl.int64) * H + i_h
 
 
 @triton.jit
