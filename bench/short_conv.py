@@ -6,7 +6,10 @@ Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; ba
 dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
-Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8]
+--sweep also times the backward kernel with other program tiles (env K3_CONV_BWD_{BT,BC,WARPS}, read
+per call by k3/ops/short_conv/triton_conv.py) on the same inputs.
+
+Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--channels", type=int, default=3072, help="S*C (q, k, v streams together)")
     ap.add_argument("--streams", type=int, default=3)
     ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="also time backward tiles (rows, channels, warps)")
     args = ap.parse_args(argv)
     from triton.testing import do_bench
 
@@ -89,7 +93,28 @@ def main(argv=None) -> int:
         gf, gb = nbytes / fwd / 1e6, 2.5 * nbytes / both / 1e6
         print(f"| {name} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | {gb:,.0f} | "
               f"{gb * 1e9 / HBM:.2f} | {base / both:.2f} |")
+    if args.sweep:
+        sweep(impls["k3 triton"], x, w, do, nbytes)
     return 0
+
+
+def sweep(fn, x, w, do, nbytes: int) -> None:
+    """fwd+bwd of k3's kernels for backward tiles (BT rows, BC channels, warps); the forward stays."""
+    from triton.testing import do_bench
+
+    print("\n| bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
+    for bt, bc, warps in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8), (32, 64, 4), (32, 256, 4),
+                          (32, 256, 8), (16, 256, 4), (128, 64, 8)]:
+        env = {"K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc), "K3_CONV_BWD_WARPS": str(warps)}
+        os.environ.update(env)
+        try:
+            ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=[x, w])
+            print(f"| {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
+        except Exception as ex:  # a tile that does not compile: report and go on
+            print(f"| {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
+        finally:
+            for k in env:
+                os.environ.pop(k)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,16 @@ def test_backward_block_edges(W):
     _check(2, 131, 3, 48, W, torch.float32)
 
 
+def test_tile_knobs(monkeypatch):
+    # other program tiles (bench/short_conv.py --sweep) give the same results; bad values raise
+    for k, v in (("FWD_BT", "64"), ("FWD_BC", "16"), ("BWD_BT", "16"), ("BWD_BC", "32"), ("BWD_WARPS", "2")):
+        monkeypatch.setenv(f"K3_CONV_{k}", v)
+    _check(1, 70, 3, 16, 4, torch.float32, cu=[0, 17, 70])
+    monkeypatch.setenv("K3_CONV_FWD_BT", "24")
+    with pytest.raises(ValueError, match="power of two"):
+        short_conv_silu(torch.randn(1, 8, 12, device=DEV), torch.randn(12, 1, 4, device=DEV))
+
+
 def test_sliced_input_and_one_stream():
     _check(1, 40, 1, 48, 3, torch.float32, cu=[0, 13, 40], sliced=True)
 

@@ -11,12 +11,27 @@ on an H200.  Packed documents: row t only sees inputs s >= starts[t] (its docume
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BT = 32
 BC = 128
+
+
+def _tiles(direction: str) -> tuple[int, int, int]:
+    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD}_{BT,BC,WARPS} override the
+    defaults (read per call: bench/short_conv.py --sweep times the combinations)."""
+    env = os.environ.get
+    bt = int(env(f"K3_CONV_{direction}_BT", BT))
+    bc = int(env(f"K3_CONV_{direction}_BC", BC))
+    warps = int(env(f"K3_CONV_{direction}_WARPS", 4))
+    for name, v in (("BT", bt), ("BC", bc), ("WARPS", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"K3_CONV_{direction}_{name} must be a power of two, got {v}")
+    return bt, bc, warps
 
 
 @triton.jit
@@ -96,8 +111,8 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb, sxt,
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
 
-def _grid(B: int, T: int, SC: int) -> tuple[int, int, int]:
-    return triton.cdiv(T, BT), triton.cdiv(SC, BC), B
+def _grid(B: int, T: int, SC: int, bt: int, bc: int) -> tuple[int, int, int]:
+    return triton.cdiv(T, bt), triton.cdiv(SC, bc), B
 
 
 class ShortConvSiLU(torch.autograd.Function):
@@ -111,9 +126,10 @@ class ShortConvSiLU(torch.autograd.Function):
         C = SC // streams
         out = torch.empty(streams, B, T, C, device=x.device, dtype=x.dtype)
         st = starts if starts is not None else weight
-        _short_conv_fwd[_grid(B, T, SC)](x, weight, st, out, B, T, x.stride(0), x.stride(1),
-                                         SC=SC, C=C, W=W, HAS_STARTS=starts is not None, BLOCK_T=BT, BLOCK_C=BC,
-                                         num_warps=4)
+        bt, bc, warps = _tiles("FWD")
+        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, B, T, x.stride(0), x.stride(1),
+                                                 SC=SC, C=C, W=W, HAS_STARTS=starts is not None,
+                                                 BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, starts)
         ctx.streams = streams
         return out
@@ -126,11 +142,12 @@ class ShortConvSiLU(torch.autograd.Function):
         C = SC // ctx.streams
         dout = dout.contiguous()
         dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype)
-        grid = _grid(B, T, SC)
+        bt, bc, warps = _tiles("BWD")
+        grid = _grid(B, T, SC, bt, bc)
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         st = starts if starts is not None else weight
         _short_conv_bwd[grid](x, weight, st, dout, dx, dw_part, B, T, x.stride(0), x.stride(1),
-                              SC=SC, C=C, W=W, HAS_STARTS=starts is not None, BLOCK_T=BT, BLOCK_C=BC,
-                              num_warps=4)
+                              SC=SC, C=C, W=W, HAS_STARTS=starts is not None, BLOCK_T=bt, BLOCK_C=bc,
+                              num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
         return dx, dw, None, None
