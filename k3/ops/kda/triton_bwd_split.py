@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton_common import (
-    _chunk,
     INTERPRETED,
     _beta,
+    _chunk,
     _cvt,
     _dot,
     _exp,

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from k3.ops.kda.triton_common import (
     _beta,
+    _chunk,
     _cumdecay,
     _cvt,
     _dot,
@@ -52,11 +53,7 @@ def _kda_fwd_intra(
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n = tl.load(chunk_info + 2 * i_c)
-    start = tl.load(chunk_info + 2 * i_c + 1)
-    nr = tl.load(cu_seqlens + i_n + 1) - start
-    row64 = start.to(tl.int64) * H + i_h
-    tile = i_c.to(tl.int64) * H + i_h
+    row64, nr, tile = _chunk(cu_seqlens, chunk_info, i_c, i_h, H)
     o_t = tl.arange(0, 64)
     o_s = tl.arange(0, 64)
     o4 = tl.arange(0, 4)
