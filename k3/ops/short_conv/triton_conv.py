@@ -40,7 +40,7 @@ def _sigmoid(y):
 
 
 @triton.jit
-def _conv_rows(x, w, starts, xb, rows, m_rows, o_c, m_c, T, sxt,
+def _conv_rows(w, starts, xb, rows, m_rows, o_c, m_c, sxt,
                W: tl.constexpr, HAS_STARTS: tl.constexpr):
     """y [BT, BC] fp32 at `rows` (masked m_rows): sum_j w[c, j] x[rows - (W-1) + j, c] within the document."""
     if HAS_STARTS:
@@ -66,7 +66,7 @@ def _short_conv_fwd(x, w, starts, out, B, T, sxb, sxt,
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_t, m_c = o_t < T, o_c < SC
     xb = x + i_b.to(tl.int64) * sxb
-    y = _conv_rows(x, w, starts, xb, o_t, m_t, o_c, m_c, T, sxt, W, HAS_STARTS)
+    y = _conv_rows(w, starts, xb, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
     z = y * _sigmoid(y)
     # [S, B, T, C] layout: stream s = c // C
     off = ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + o_t.to(tl.int64)[:, None] * C + (o_c % C)[None, :]
@@ -90,7 +90,7 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb, sxt,
         m_out = m_s & (t < T)
         if HAS_STARTS:
             m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
-        y = _conv_rows(x, w, starts, xb, t, m_out, o_c, m_c, T, sxt, W, HAS_STARTS)
+        y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
         dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m_out[:, None] & m_c[None, :], other=0.0).to(tl.float32)
         sg = _sigmoid(y)
         dz = dy * sg * (1.0 + y * (1.0 - sg))
