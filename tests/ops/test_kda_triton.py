@@ -195,31 +195,39 @@ def test_lower_bound_other_values(impl):
     _check_all(x, gate=True, l2=True, bsig=True, bound=-1.5)
 
 
-@pytest.mark.parametrize("dtype,K,V", [(torch.float32, 128, 16), (torch.bfloat16, 16, 128)])
-def test_fwd_intra_v2_matches_v1(dtype, K, V, monkeypatch):
-    # Every intermediate of the v2 forward intra kernel against v1's (same contract): varlen with an
-    # empty sequence and partial chunks, the widest K / V, training (T stored) and inference.
+def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inference=True):
+    """Every intermediate of forward intra kernel `new` against `base` (K3_KDA_FWD_INTRA values) on
+    varlen input with an empty sequence and partial chunks; training (T stored) and, with
+    `inference`, the no-grad pass, whose output and final state must equal training's bit for bit."""
     from k3.ops.kda.chunk import _fwd, chunk_meta
 
+    gate, l2, bsig = flags
     cu = torch.tensor([0, 70, 70, 100], device=DEV, dtype=torch.int32)
-    x = _inputs(1, 100, 1, K, V, dtype, gate=True, l2=True, bsig=True, N=3)
-    args = [x[n].detach() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
+    x = _inputs(1, 100, 1, K, V, dtype, gate=gate, l2=l2, bsig=bsig, N=3)
+    args = [x[n].detach() if n in x else None for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
     meta = chunk_meta(1, 100, cu, x["q"].device)
     out = {}
-    for ver in ("v1", "v2"):
+    for ver in (base, new):
         monkeypatch.setenv("K3_KDA_FWD_INTRA", ver)
-        o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, True, True, True, training=True)
-        o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, True, True, True, training=False)
-        assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
+        o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=True)
+        if inference:
+            o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=False)
+            assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
         out[ver] = dict(zip(("W", "P", "QG", "KG", "GL", "Tm", "Hs", "VN"), saved), o=o, ht=ht)
+    for n, a in out[base].items():
+        b = out[new][n]
+        assert b.dtype == a.dtype and b.shape == a.shape, n
+        assert _rel(b, a) < tol, (n, _rel(b, a))
+
+
+@pytest.mark.parametrize("dtype,K,V", [(torch.float32, 128, 16), (torch.bfloat16, 16, 128)])
+def test_fwd_intra_v2_matches_v1(dtype, K, V, monkeypatch):
+    # v2 against v1 (same contract) at the widest K / V, in-kernel gate + L2 + sigmoid beta.
     # fp32: G differs by ~1e-6 (v1's tf32x3 cumulative-decay dot runs as an fp32 dot under the
     # interpreter, v2's two-product split is emulated at tf32, as on the GPU); bf16: P entries
     # computed in another order round to neighbouring bf16 values (one rounding step, 2^-8).
     tol = 1e-5 if dtype == torch.float32 else 4e-3
-    for n, a in out["v1"].items():
-        b = out["v2"][n]
-        assert b.dtype == a.dtype and b.shape == a.shape, n
-        assert _rel(b, a) < tol, (n, _rel(b, a))
+    _compare_fwd_intra("v1", "v2", dtype, K, V, (True, True, True), tol, monkeypatch)
 
 
 FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False, True)]
@@ -232,39 +240,20 @@ FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False
     + [(torch.bfloat16, 32, 16, 16, 1 + (i % 2), f) for i, f in enumerate(FLAGS)],
 )
 def test_fwd_intra_split_matches_v2(dtype, K, V, bk, ns, flags, monkeypatch):
-    # Every intermediate of the split forward intra kernels against v2's (same contract): varlen with
-    # an empty sequence and partial chunks, training (T stored) and inference, K over several key
-    # chunks (BK 16 / 32), NS 1-3 (W / U column blocks spread over programs), every gate / L2 /
-    # sigmoid-beta combination (small K, V and training only there: CI time).
-    from k3.ops.kda.chunk import _fwd, chunk_meta
-
-    gate, l2, bsig = flags
+    # The split forward intra kernels against v2 (same contract): K over several key chunks (BK 16 /
+    # 32), NS 1-3 (W / U column blocks spread over programs), every gate / L2 / sigmoid-beta
+    # combination (small K, V and training only there: CI time).
     monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", str(bk))
     monkeypatch.setenv("K3_KDA_NS_FWDSPLIT", str(ns))
     # same cumulative-decay arithmetic in both (split defaults to the scan, v2 to the dot; the scan
     # default is covered against float64 by the "split-split" runs of every test above)
     monkeypatch.setenv("K3_KDA_CUMDOT", "1")
-    cu = torch.tensor([0, 70, 70, 100], device=DEV, dtype=torch.int32)
-    x = _inputs(1, 100, 1, K, V, dtype, gate=gate, l2=l2, bsig=bsig, N=3)
-    args = [x[n].detach() if n in x else None for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")]
-    meta = chunk_meta(1, 100, cu, x["q"].device)
-    out = {}
-    for ver in ("v2", "split"):
-        monkeypatch.setenv("K3_KDA_FWD_INTRA", ver)
-        o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=True)
-        if K != 32:
-            o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=False)
-            assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
-        out[ver] = dict(zip(("W", "P", "QG", "KG", "GL", "Tm", "Hs", "VN"), saved), o=o, ht=ht)
     # Same arithmetic as v2 except the order of the L2 sums (per key chunk inside the A-P pass; the
     # key rows' and block rows' norms are separate sums) and beta k e^G / ||k|| rebuilt instead of
     # stored: under the interpreter fp32 differs by <= 1.7e-7, bf16 is bit-identical.  bf16 keeps
     # v2's 4e-3 (one bf16 rounding step where a GPU's reduction order flips a rounding).
     tol = 1e-6 if dtype == torch.float32 else 4e-3
-    for n, a in out["v2"].items():
-        b = out["split"][n]
-        assert b.dtype == a.dtype and b.shape == a.shape, n
-        assert _rel(b, a) < tol, (n, _rel(b, a))
+    _compare_fwd_intra("v2", "split", dtype, K, V, flags, tol, monkeypatch, inference=K != 32)
 
 
 def test_split_fwd_rejects_narrow_tf32_wgmma(monkeypatch):
