@@ -81,7 +81,7 @@ def main() -> None:
     B = max(1, tokens // T)
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * T + 1), device=device)
-    cu = torch.arange(0, B * T + 1, T, device=device, dtype=torch.int32)
+    cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)  # host offsets, as the trainer passes
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     phases = args.phases.split(",")
 

@@ -18,24 +18,30 @@ from k3.config import TextConfig
 class SeqLayout:
     """How the sequences of one forward are laid out in the input tensor.
 
-    num_seqs: N. cu_seqlens: [N+1] int (packed input [1, total]) or None (input rows [N, T]).
-    new_lens: [N] long, tokens of each sequence in this forward. past_lens: [N] long, tokens
-    already in the cache (zeros without a cache).
+    num_seqs: N. cu_seqlens: [N+1] int on the input's device (packed input [1, total]) or None
+    (input rows [N, T]). new_lens: [N] long, tokens of each sequence in this forward. past_lens: [N]
+    long, tokens already in the cache (zeros without a cache). cu_seqlens_cpu: the same offsets on
+    the host (int64, CPU), so the layers need no device-to-host read (each one would stall the GPU
+    queue: a training forward used to read cu_seqlens back ~30 times).
     """
 
     num_seqs: int
     cu_seqlens: torch.Tensor | None
     new_lens: torch.Tensor
     past_lens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor | None = None
 
     @staticmethod
     def build(batch: int, seqlen: int, cu_seqlens: torch.Tensor | None, cache: "HybridCache | None",
               device: torch.device) -> "SeqLayout":
+        """cu_seqlens may live on the host (free: what the trainer passes) or on `device` (read back once)."""
+        cu_cpu = None
         if cu_seqlens is not None:
             if batch != 1:
                 raise ValueError(f"cu_seqlens needs packed input of batch 1, got batch {batch}")
-            cu = cu_seqlens.to(device=device, dtype=torch.long)
-            new = cu[1:] - cu[:-1]
+            cu_cpu = cu_seqlens.to("cpu", torch.long)
+            cu_seqlens = cu_seqlens.to(device)
+            new = (cu_cpu[1:] - cu_cpu[:-1]).to(device)
         else:
             new = torch.full((batch,), seqlen, dtype=torch.long, device=device)
         n = new.numel()
@@ -45,7 +51,21 @@ class SeqLayout:
             past = cache.lengths.to(device)
         else:
             past = torch.zeros(n, dtype=torch.long, device=device)
-        return SeqLayout(n, cu_seqlens, new, past)
+        return SeqLayout(n, cu_seqlens, new, past, cu_cpu)
+
+    def max_new(self) -> int:
+        """The longest sequence's new-token count (from the host copy when there is one)."""
+        if self.num_seqs == 0:
+            return 0
+        if self.cu_seqlens_cpu is not None:
+            return int((self.cu_seqlens_cpu[1:] - self.cu_seqlens_cpu[:-1]).max())
+        return int(self.new_lens.max())
+
+    def total_new(self) -> int:
+        """New tokens of all sequences together."""
+        if self.cu_seqlens_cpu is not None:
+            return int(self.cu_seqlens_cpu[-1] - self.cu_seqlens_cpu[0])
+        return int(self.new_lens.sum())
 
     def token_seq_pos(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For packed input: (sequence index [total], position within the new tokens [total])."""

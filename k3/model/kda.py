@@ -182,7 +182,8 @@ class KDAttention(nn.Module):
         else:
             o, final = kda(
                 q, k, v, f, b.float(), initial_state=initial, output_final_state=cache is not None,
-                cu_seqlens=layout.cu_seqlens, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                cu_seqlens=layout.cu_seqlens, cu_seqlens_cpu=layout.cu_seqlens_cpu, A_log=self.A_log,
+                dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
             )
         if cache is not None:

@@ -83,7 +83,7 @@ class GatedMLA(nn.Module):
     # -- attention without a cache -------------------------------------------------------------
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         """Causal attention over [B, T] rows, block-diagonal per document when packed."""
-        tmax = int(layout.new_lens.max()) if layout.cu_seqlens is not None else 0
+        tmax = layout.max_new() if layout.cu_seqlens is not None else 0
         if tmax * layout.num_seqs == q.shape[1] > 0:
             # Equal-length documents: the packed row [1, N*L] is N rows [N, L], a view (no gather/scatter).
             q, k, v = (t.reshape(layout.num_seqs, tmax, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
@@ -97,7 +97,7 @@ class GatedMLA(nn.Module):
             # N * Tmax^2 work instead of total^2 for a block-diagonal mask over the packed row.
             q, k, v = (_to_padded(t.transpose(1, 2), layout).transpose(1, 2) for t in (q, k, v))
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale)
-            return _from_padded(o.transpose(1, 2), layout, int(layout.new_lens.sum()))
+            return _from_padded(o.transpose(1, 2), layout, layout.total_new())
         else:
             T = q.shape[2]
             seq, _ = layout.token_seq_pos(T)
@@ -204,7 +204,7 @@ def _to_padded(x: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
         return x
     total = x.shape[1]
     seq, pos = layout.token_seq_pos(total)
-    tmax = int(layout.new_lens.max()) if layout.num_seqs else 0
+    tmax = layout.max_new()
     out = x.new_zeros(layout.num_seqs, tmax, *x.shape[2:])
     out[seq, pos] = x[0]
     return out

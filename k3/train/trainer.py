@@ -209,8 +209,8 @@ class Trainer:
                     vb = next(self.vision.loader).to(self.device)
                     objective, mloss, vision_loss = joint_loss(self.model, ids, labels, cu, vb,
                                                                self.cfg.vision_loss_weight)
-                elif self.par is None:
-                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                elif self.par is None:  # host offsets: the layers then never read them back from the GPU
+                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=mb.cu_seqlens).loss
                 else:
                     objective, mloss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, mb.seq_len))
             (objective * w if len(micro) > 1 else objective).backward()
@@ -251,7 +251,7 @@ class Trainer:
             ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
             with self._autocast():
                 if self.par is None:
-                    loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                    loss = self.model(ids, labels=labels, cu_seqlens=batch.cu_seqlens).loss
                 else:
                     loss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, batch.seq_len))[1]
             n = int((labels != -100).sum())

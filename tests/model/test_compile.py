@@ -133,3 +133,32 @@ def test_compiled_equals_eager_on_cuda_bf16():
            if n != "loss" and _cosine(compiled[n], g) < min(0.99, _cosine(eager[n], g) - 0.03)}
     # margin 0.03: on the H200 the noisiest AttnRes norm weight measured 0.948 compiled vs 0.960 eager
     assert not bad, bad  # name: (cos(compiled, fp32), cos(eager bf16, fp32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_step_never_reads_the_gpu_back(compiled: bool):
+    """With host cu_seqlens (what the trainer passes) a packed varlen forward+backward of the training
+    configuration (bf16 autocast, Triton KDA, MLA padded path) launches work only: every device-to-host
+    read stalls the GPU queue, and a training step used to make ~30 of them (KDA checks, chunk
+    bookkeeping, MLA's longest document)."""
+    torch.manual_seed(0)
+    m = K3ForCausalLM(k3_tiny()).init_weights(seed=0).cuda().set_kda_backend("triton")
+    if compiled:
+        compile_model(m)
+    ids = torch.randint(0, 4096, (1, 1024 + 1), device="cuda")
+    cu = torch.tensor([0, 300, 512, 1024], dtype=torch.int32)  # on the host
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
+        loss.backward()
+
+    step()  # warm-up: compilation, autotuning and the chunk bookkeeping cache may read back
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -293,6 +293,27 @@ def test_validation_errors():
         chunk_kda(*a, lower_bound=-5.0, initial_state=torch.zeros(2, 1, 16, 16))
     with pytest.raises(ValueError, match="A_log"):
         chunk_kda(*a, lower_bound=-5.0, A_log=torch.zeros(3), dt_bias=torch.zeros(16))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu must be a CPU tensor shaped like"):
+        chunk_kda(*a, lower_bound=-5.0, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="end at T=8"):  # the host copy is what gets checked
+        chunk_kda(*a, lower_bound=-5.0, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 3, 9]))
+
+
+def test_host_offsets_same_result():
+    """cu_seqlens_cpu only spares the device read-back: outputs, states and gradients are identical."""
+    x = _inputs(1, 40, 2, 16, 16, torch.float32, gate=True, l2=True, bsig=True, h0=False)
+    cu = torch.tensor([0, 7, 7, 40], dtype=torch.int32)
+    outs = []
+    for host in (None, cu.clone()):
+        ins = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in x.items()}
+        o, s = chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], cu_seqlens=cu.to(DEV),
+                         cu_seqlens_cpu=host, A_log=ins["A_log"], dt_bias=ins["dt_bias"], lower_bound=-5.0,
+                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True)
+        (o.square().sum() + s.sum()).backward()
+        outs.append([o, s] + [ins[n].grad for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ def kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
@@ -57,6 +58,8 @@ def kda(
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] (N = B, or the number of packed sequences); fp32 preferred.
         cu_seqlens: [N + 1] int, packed sequences in a B == 1 batch.
+        cu_seqlens_cpu: optional host copy of cu_seqlens (CPU tensor, same values): spares the
+            device-to-host reads of the offsets (checks, chunk bookkeeping) that stall the GPU queue.
         backend: "auto" | "reference" | "torch" | "triton".
     Returns:
         o: [B, T, H, V] in v's dtype; final_state [N, H, K, V] fp32 (None unless requested).
@@ -70,7 +73,7 @@ def kda(
         raise ValueError("the in-kernel gate needs dt_bias together with A_log")
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
-    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     if backend == "auto":
         # The Triton kernels need a known lower bound on the per-step decay (the K3 gate gives one).
         backend = "triton" if q.is_cuda and lower_bound is not None else "torch"
@@ -79,7 +82,7 @@ def kda(
 
         return chunk_kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, A_log=A_log,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         )

@@ -50,7 +50,7 @@ from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
-from k3.ops.kda.validate import check_kda_shapes
+from k3.ops.kda.validate import check_kda_shapes, host_offsets
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
@@ -86,15 +86,16 @@ class ChunkMeta:
 _META_CACHE: dict = {}
 
 
-def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkMeta:
+def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device,
+               cu_seqlens_cpu: torch.Tensor | None = None) -> ChunkMeta:
     """Build (or reuse) the chunk bookkeeping for a [B, T] batch or a packed varlen batch.
 
     Cached by the sequence lengths, so repeated calls with the same layout launch no extra work
-    (a varlen call still reads cu_seqlens on the host once)."""
+    (a varlen call without `cu_seqlens_cpu` still reads cu_seqlens back from the device once)."""
     if cu_seqlens is None:
         key = (str(device), (T,) * B)
     else:
-        key = (str(device), tuple(int(x) for x in cu_seqlens.tolist()))
+        key = (str(device), tuple(int(x) for x in host_offsets(cu_seqlens, cu_seqlens_cpu)))
     meta = _META_CACHE.get(key)
     if meta is None:
         if cu_seqlens is None:
@@ -354,8 +355,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
-def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens):
-    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens)
+def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, cu_seqlens_cpu):
+    check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if K not in _SUPPORTED_DIMS or V not in _SUPPORTED_DIMS:
@@ -396,6 +397,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
@@ -412,15 +414,16 @@ def chunk_kda(
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] (any float dtype; used as fp32).
         cu_seqlens: [N + 1] int32/int64 packed-sequence offsets (B must be 1).
+        cu_seqlens_cpu: optional host copy of cu_seqlens (no device read-back when given).
         A_log: [H], dt_bias: [H * K] or [H, K]: in-kernel gate g = lb * sigmoid(exp(A_log) (f + dt_bias)).
         lower_bound: gate lower bound in [-5, 0) (required, see module docstring).
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
     """
-    _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens)
+    _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else float(scale)
-    meta = chunk_meta(B, T, cu_seqlens, q.device)
+    meta = chunk_meta(B, T, cu_seqlens, q.device, cu_seqlens_cpu)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if A_log is not None:
         A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
