@@ -29,25 +29,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _report(name: str, prof, wall: float, device: torch.device, rows: int) -> None:
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = prof.key_averages()
+def _report(name: str, prof, wall: float, device: torch.device, rows: int, by_shape: bool = False,
+            host: bool = False) -> None:
+    key = "self_device_time_total" if device.type == "cuda" and not host else "self_cpu_time_total"
+    events = prof.key_averages(group_by_input_shape=by_shape)
     dev_total = sum(getattr(e, key, 0.0) for e in events) / 1e3
     print(f"\n## {name}: wall {wall * 1e3:.1f} ms, summed {'device' if device.type == 'cuda' else 'cpu'} "
           f"self time {dev_total:.1f} ms")
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
-def profile_phase(name: str, fn, device: torch.device, rows: int) -> None:
+def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool = False, host: bool = False) -> None:
     fn()
     _sync(device)  # warm-up (Triton compiles, allocator)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    plain = time.perf_counter() - t0
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=by_shape) as prof:
         t0 = time.perf_counter()
         fn()
         _sync(device)
         wall = time.perf_counter() - t0
+    print(f"\n{name}: {plain * 1e3:.1f} ms wall without the profiler")
     _report(name, prof, wall, device, rows)
+    if by_shape:
+        _report(name + " (by input shape)", prof, wall, device, rows, by_shape=True)
+    if host:
+        _report(name + " (by host time: what the CPU spends issuing the work)", prof, wall, device, rows, host=True)
 
 
 def main() -> None:
@@ -63,6 +73,8 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=None, help="prefill phase: cached shared prefix (default 10240)")
     ap.add_argument("--new-len", type=int, default=None, help="prefill phase: new tokens per request (default 730)")
     ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training and decode)")
+    ap.add_argument("--by-shape", action="store_true", help="also a table grouped by operator input shapes")
+    ap.add_argument("--host", action="store_true", help="also a table sorted by host (CPU) self time")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -91,7 +103,7 @@ def main() -> None:
         loss.backward()
 
     if "train" in phases:
-        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows)
+        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows, args.by_shape, args.host)
     if "optim" in phases:
         fwd_bwd()
         profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows)

@@ -6,8 +6,8 @@ Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; ba
 dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
---sweep also times the backward kernel with other program tiles (env K3_CONV_BWD_{BT,BC,WARPS}, read
-per call by k3/ops/short_conv/triton_conv.py) on the same inputs.
+--sweep also times the fused and the split backward (env K3_CONV_BWD) with other program tiles
+(env K3_CONV_BWD_{BT,BC,WARPS}, read per call by k3/ops/short_conv/triton_conv.py) on the same inputs.
 
 Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
 """
@@ -102,16 +102,19 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
     """fwd+bwd of k3's kernels for backward tiles (BT rows, BC channels, warps); the forward stays."""
     from triton.testing import do_bench
 
-    print("\n| bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
-    for bt, bc, warps in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8), (32, 64, 4), (32, 256, 4),
-                          (32, 256, 8), (16, 256, 4), (128, 64, 8)]:
-        env = {"K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc), "K3_CONV_BWD_WARPS": str(warps)}
+    print("\n| bwd | bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---|---:|---:|---:|---:|---:|")
+    tiles = [("fused", 32, 128, 4), ("fused", 32, 64, 4), ("fused", 128, 64, 8)]
+    tiles += [("split", bt, bc, wp) for bt, bc, wp in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8),
+                                                         (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
+    for mode, bt, bc, warps in tiles:
+        env = {"K3_CONV_BWD": mode, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
+               "K3_CONV_BWD_WARPS": str(warps)}
         os.environ.update(env)
         try:
             ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=[x, w])
-            print(f"| {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
+            print(f"| {mode} | {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
         except Exception as ex:  # a tile that does not compile: report and go on
-            print(f"| {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
+            print(f"| {mode} | {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
         finally:
             for k in env:
                 os.environ.pop(k)

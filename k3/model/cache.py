@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import TextConfig
+from k3.ops import to_device_async
 
 
 @dataclass
@@ -40,8 +41,8 @@ class SeqLayout:
             if batch != 1:
                 raise ValueError(f"cu_seqlens needs packed input of batch 1, got batch {batch}")
             cu_cpu = cu_seqlens.to("cpu", torch.long)
-            cu_seqlens = cu_seqlens.to(device)
-            new = (cu_cpu[1:] - cu_cpu[:-1]).to(device)
+            both = to_device_async(torch.cat([cu_cpu, cu_cpu[1:] - cu_cpu[:-1]]), device)
+            cu_seqlens, new = both[: cu_cpu.numel()], both[cu_cpu.numel():]
         else:
             new = torch.full((batch,), seqlen, dtype=torch.long, device=device)
         n = new.numel()

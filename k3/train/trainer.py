@@ -18,6 +18,7 @@ from k3.config import K3Config, apply_overrides, get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.model.moe import LatentMoE
+from k3.ops import to_device_async
 from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
@@ -203,7 +204,7 @@ class Trainer:
             # each micro-batch's mean loss weighted by its share of the step's targets: the summed
             # gradients equal those of the whole batch in one forward
             w = mb.num_targets / batch.num_targets if len(micro) > 1 else 1.0
-            ids, labels, cu = (t.to(self.device) for t in (mb.input_ids, mb.labels, mb.cu_seqlens))
+            ids, labels, cu = (to_device_async(t, self.device) for t in (mb.input_ids, mb.labels, mb.cu_seqlens))
             with self._autocast():
                 if self.vision is not None:  # image chats packed after the text rows, one forward
                     vb = next(self.vision.loader).to(self.device)
@@ -248,7 +249,8 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.data.val_batches:
-            ids, labels, cu = (t.to(self.device) for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+            ids, labels, cu = (to_device_async(t, self.device)
+                              for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
             with self._autocast():
                 if self.par is None:
                     loss = self.model(ids, labels=labels, cu_seqlens=batch.cu_seqlens).loss

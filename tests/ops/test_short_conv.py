@@ -50,13 +50,20 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-def test_packed_documents_with_short_ones():
+@pytest.fixture(params=["fused", "split"])
+def bwd(request, monkeypatch):
+    """Both backward kernels: fused (default) and split (dz scratch, then dx / dw)."""
+    monkeypatch.setenv("K3_CONV_BWD", request.param)
+    return request.param
+
+
+def test_packed_documents_with_short_ones(bwd):
     # documents of length 1 and 2 (< W-1) and one crossing the 32-row block edge
     _check(1, 45, 3, 16, 4, torch.float32, cu=[0, 1, 3, 20, 38, 45])
 
 
 @pytest.mark.parametrize("W", [2, 3, 4])
-def test_backward_block_edges(W):
+def test_backward_block_edges(W, bwd):
     # several 32-row blocks (the backward reads output rows across block edges), documents starting just
     # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents
     _check(1, 150, 3, 48, W, torch.float32, cu=[0, 1, 3, 63, 66, 128, 129, 150])
@@ -71,6 +78,11 @@ def test_tile_knobs(monkeypatch):
     monkeypatch.setenv("K3_CONV_FWD_BT", "24")
     with pytest.raises(ValueError, match="power of two"):
         short_conv_silu(torch.randn(1, 8, 12, device=DEV), torch.randn(12, 1, 4, device=DEV))
+    monkeypatch.setenv("K3_CONV_FWD_BT", "32")
+    monkeypatch.setenv("K3_CONV_BWD", "fast")
+    x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
+    with pytest.raises(ValueError, match="K3_CONV_BWD must be"):
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV)).sum().backward()
 
 
 def test_sliced_input_and_one_stream():
@@ -106,5 +118,5 @@ def test_bad_input():
 
 
 @pytest.mark.gpu
-def test_gpu_large_bf16():
+def test_gpu_large_bf16(bwd):
     _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True)

@@ -50,6 +50,7 @@ from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
+from k3.ops import to_device_async
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
@@ -67,20 +68,21 @@ class ChunkMeta:
     """
 
     def __init__(self, cu_seqlens: torch.Tensor, lengths: list[int]):
-        self.cu_seqlens = cu_seqlens
+        """cu_seqlens: the offsets on the host (int64); built there, copied to `device` in one go."""
         self.N = len(lengths)
-        counts = [(n + CHUNK - 1) // CHUNK for n in lengths]
-        offs = [0]
-        for c in counts:
-            offs.append(offs[-1] + c)
-        self.NC = offs[-1]
-        dev = cu_seqlens.device
-        self.chunk_offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-        cnt = torch.tensor(counts, dtype=torch.int64, device=dev)
-        seq = torch.repeat_interleave(torch.arange(self.N, device=dev), cnt, output_size=self.NC)
-        within = torch.arange(self.NC, device=dev) - self.chunk_offsets.long()[seq]
-        start = cu_seqlens.long()[seq] + within * CHUNK
-        self.chunk_info = torch.stack([seq, start], 1).to(torch.int32).contiguous()
+        counts = torch.tensor([(n + CHUNK - 1) // CHUNK for n in lengths], dtype=torch.int64)
+        offs = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        self.NC = int(offs[-1])
+        seq = torch.repeat_interleave(torch.arange(self.N), counts, output_size=self.NC)
+        start = cu_seqlens[seq] + (torch.arange(self.NC) - offs[seq]) * CHUNK
+        self._host = torch.cat([cu_seqlens, offs, seq, start]).to(torch.int32)
+
+    def to(self, device: torch.device) -> "ChunkMeta":
+        packed = to_device_async(self._host, device)
+        n = self.N + 1
+        self.cu_seqlens, self.chunk_offsets = packed[:n], packed[n: 2 * n]
+        self.chunk_info = packed[2 * n:].view(2, self.NC).t().contiguous()
+        return self
 
 
 _META_CACHE: dict = {}
@@ -98,13 +100,9 @@ def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
         key = (str(device), tuple(int(x) for x in host_offsets(cu_seqlens, cu_seqlens_cpu)))
     meta = _META_CACHE.get(key)
     if meta is None:
-        if cu_seqlens is None:
-            cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-            meta = ChunkMeta(cu, [T] * B)
-        else:
-            cs = key[1]
-            lengths = [b - a for a, b in zip(cs, cs[1:])]
-            meta = ChunkMeta(torch.tensor(cs, dtype=torch.int32, device=device), lengths)
+        cs = key[1] if cu_seqlens is not None else tuple(range(0, (B + 1) * T, T))
+        lengths = [b - a for a, b in zip(cs, cs[1:])]
+        meta = ChunkMeta(torch.tensor(cs, dtype=torch.int64), lengths).to(device)
         if len(_META_CACHE) > 256:
             _META_CACHE.clear()
         _META_CACHE[key] = meta
