@@ -79,7 +79,8 @@ class RoutedExperts(nn.Module):
             # the weights in place (a concatenation would copy them every call).
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             if torch.is_grad_enabled():
-                w13 = torch.cat([w1, w3], dim=1).to(z.dtype).transpose(-2, -1)
+                # cast, then concatenate: half the bytes of concatenating the fp32 masters first
+                w13 = torch.cat([w1.to(z.dtype), w3.to(z.dtype)], dim=1).transpose(-2, -1)
                 a, b = torch._grouped_mm(xs, w13, offs=offs).split(I, dim=-1)
             else:
                 a, b = (torch._grouped_mm(xs, t.to(z.dtype).transpose(-2, -1), offs=offs) for t in (w1, w3))
