@@ -64,8 +64,8 @@ def glu_act(a: torch.Tensor, b: torch.Tensor, act: str, beta: float, beta_lin: f
 class GLUMLP(nn.Module):
     """gate/up/down MLP with the SiTU (or SiLU) GLU: the dense layer-0 MLP and the fused shared experts.
 
-    While training, gate and up run as one GEMM against the concatenated weights (see
-    k3.model.fused.linear_multi); the parameters stay separate (checkpoint names)."""
+    While training, gate and up run as one GEMM against the concatenated weights and the activation
+    reads its packed output (Kernels.glu_packed); the parameters stay separate (checkpoint names)."""
 
     kernels: Kernels = EAGER
 
@@ -77,8 +77,13 @@ class GLUMLP(nn.Module):
         self.act, self.beta, self.beta_lin = act, beta, beta_lin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
-        return self.down_proj(self.kernels.glu(a, b, self.act, self.beta, self.beta_lin))
+        if torch.is_grad_enabled():  # one GEMM; the activation's gradient comes back as one tensor
+            ab = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+            h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
+        else:
+            a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
+            h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+        return self.down_proj(h)
 
 
 def attn_res_mix(candidates: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.Tensor,

@@ -62,6 +62,13 @@ def situ_bwd(go: Tensor, ta: Tensor | None, sa: Tensor | None, tb: Tensor | None
     return ga.to(a.dtype), gb.to(b.dtype)
 
 
+def situ_bwd_packed(go: Tensor, ta: Tensor | None, sa: Tensor | None, tb: Tensor | None, a: Tensor, b: Tensor,
+                    beta: float, beta_lin: float) -> Tensor:
+    """`situ_bwd` for a and b that are the halves of one [..., 2I] projection: the gradient [..., 2I]
+    as one tensor (compiled, both halves are written in place; no separate concatenation pass)."""
+    return torch.cat(situ_bwd(go, ta, sa, tb, a, b, beta, beta_lin), dim=-1)
+
+
 # --------------------------------------------------------------------------------------------
 # RMSNorm with optional sigmoid output gate (KimiRMSNorm; KDA's gated o_norm)
 
@@ -214,6 +221,25 @@ class _SiTU(torch.autograd.Function):
         return ga, gb, None, None, None
 
 
+class _SiTUPacked(torch.autograd.Function):
+    """_SiTU on gate|up packed side by side in one tensor; the backward returns one gradient tensor."""
+
+    @staticmethod
+    def forward(ctx, ab, beta, beta_lin, kern):  # noqa: ANN001 - autograd signature
+        a, b = ab.chunk(2, dim=-1)
+        out, saved = kern.situ_fwd(a, b, beta, beta_lin)
+        ctx.save_for_backward(*(t if t is not None else ab.new_empty(0) for t in saved))
+        ctx.none = tuple(t is None for t in saved)
+        ctx.args = (beta, beta_lin, kern)
+        return out
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        saved = [None if none else t for t, none in zip(ctx.saved_tensors, ctx.none)]
+        beta, beta_lin, kern = ctx.args
+        return kern.situ_bwd_packed(go, *saved, beta, beta_lin), None, None, None
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, gate, eps, round_normed, out_dtype, kern):  # noqa: ANN001
@@ -328,7 +354,7 @@ class Kernels:
             return torch.compile(fn, **opts) if compiled else fn
 
         self.situ_fwd = wrap(situ_fwd_recompute if compiled else situ_fwd_save)
-        self.situ_bwd = wrap(situ_bwd)
+        self.situ_bwd, self.situ_bwd_packed = wrap(situ_bwd), wrap(situ_bwd_packed)
         self.norm_fwd, self.norm_bwd = wrap(norm_fwd), wrap(norm_bwd)
         self.res_fwd, self.res_bwd = wrap(res_fwd), wrap(res_bwd)
         self.combine_fwd, self.combine_bwd = wrap(combine_fwd), wrap(combine_bwd)
@@ -344,6 +370,14 @@ class Kernels:
         if act == "situ":
             return _SiTU.apply(a, b, float(beta), float(beta_lin), self)
         return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+    def glu_packed(self, ab: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
+        """`glu` of gate and up packed as ab = [a | b] ([..., 2I], e.g. one GEMM's output) -> [..., I].
+        Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation."""
+        if act == "situ":
+            return _SiTUPacked.apply(ab, float(beta), float(beta_lin), self)
+        a, b = ab.chunk(2, dim=-1)
+        return self.glu(a, b, act, beta, beta_lin)
 
     def rms_norm(self, x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         """KimiRMSNorm (see k3.model.common.rms_norm): x [..., D] -> x's dtype."""

@@ -81,10 +81,11 @@ class RoutedExperts(nn.Module):
             if torch.is_grad_enabled():
                 # cast, then concatenate: half the bytes of concatenating the fp32 masters first
                 w13 = torch.cat([w1.to(z.dtype), w3.to(z.dtype)], dim=1).transpose(-2, -1)
-                a, b = torch._grouped_mm(xs, w13, offs=offs).split(I, dim=-1)
+                ab = torch._grouped_mm(xs, w13, offs=offs)
+                h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
             else:
                 a, b = (torch._grouped_mm(xs, t.to(z.dtype).transpose(-2, -1), offs=offs) for t in (w1, w3))
-            h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+                h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
             y = torch._grouped_mm(h, w2.to(z.dtype).transpose(-2, -1), offs=offs)
         else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
             # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice;

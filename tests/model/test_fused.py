@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from k3.config import k3_tiny
 from k3.model.cache import SeqLayout
@@ -63,6 +64,20 @@ def test_situ_glu_matches_reference(kern, dtype):
     ab[0] = 1e4  # saturated tanh
     a, b = ab.to(dtype).split(19, dim=-1)
     _check(lambda a, b: kern.glu(a, b, "situ", 4.0, 25.0), lambda a, b: situ_glu(a, b, 4.0, 25.0), [a, b], dtype)
+
+
+@pytest.mark.parametrize("kern", TABLES, ids=["save", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_glu_packed_matches_reference(kern, dtype, act):
+    """gate|up packed in one tensor (a GEMM's output): same values and one gradient tensor [..., 2I]."""
+    ab = (torch.randn(3, 37, 2 * 19) * 6).to(dtype)
+
+    def ref(ab):
+        a, b = ab.chunk(2, dim=-1)
+        return situ_glu(a, b, 4.0, 25.0) if act == "situ" else (F.silu(a.float()) * b.float()).to(dtype)
+
+    _check(lambda ab: kern.glu_packed(ab, act, 4.0, 25.0), ref, [ab], dtype)
 
 
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -278,6 +293,8 @@ def test_cuda_regions_bf16(compiled):
     # Forward under autocast, backward outside it, as in training (`loss.backward()` after the autocast block).
     _check(_autocast(lambda a, b: kern.glu(a, b, "situ", 4.0, 25.0)), _autocast(lambda a, b: situ_glu(a, b, 4.0, 25.0)),
            [a, b], torch.bfloat16)
+    _check(_autocast(lambda ab: kern.glu_packed(ab, "situ", 4.0, 25.0)),
+           _autocast(lambda ab: situ_glu(*ab.chunk(2, dim=-1), 4.0, 25.0)), [ab], torch.bfloat16)
     _check(_autocast(lambda x, w: kern.rms_norm(x, w, 1e-5)), _autocast(lambda x, w: rms_norm(x, w, 1e-5)), [x, wn],
            torch.bfloat16, reduced=(1,))
     _check(_autocast(lambda wn, wp, *c: kern.attn_res(list(c), wn, wp, 1e-5)),
