@@ -290,19 +290,25 @@ class _Combine(torch.autograd.Function):
         return gy, gw, None, None, None
 
 
+def gather_sum(g: Tensor, inv: Tensor, k: int) -> Tensor:
+    """Dispatch backward: g [N*k, L] in expert-sorted slot order -> [N, L], each token's k slots summed
+    in a fixed order (compiled: one kernel, the gathered [N*k, L] rows are never written)."""
+    return g.index_select(0, inv).view(-1, k, g.shape[-1]).sum(1)
+
+
 class _Dispatch(torch.autograd.Function):
     """rows of z repeated per choice, in expert-sorted order; backward gathers (no atomics) and sums."""
 
     @staticmethod
-    def forward(ctx, z, order, inv, k):  # noqa: ANN001
+    def forward(ctx, z, order, inv, k, kern):  # noqa: ANN001
         ctx.save_for_backward(inv)
-        ctx.k = k
+        ctx.k, ctx.kern = k, kern
         return z.index_select(0, torch.div(order, k, rounding_mode="floor"))
 
     @staticmethod
     def backward(ctx, g):  # noqa: ANN001
         (inv,) = ctx.saved_tensors
-        return g.index_select(0, inv).view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+        return ctx.kern.gather_sum(g, inv, ctx.k), None, None, None, None
 
 
 def linear_multi(x: Tensor, groups: list[list[Tensor]]) -> list[Tensor]:
@@ -321,7 +327,7 @@ def linear_multi(x: Tensor, groups: list[list[Tensor]]) -> list[Tensor]:
 def dispatch(z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
     """z [N, L] -> [N*k, L]: row i is z[order[i] // k] (the token of the i-th expert-sorted slot).
     order: [N*k] stable argsort of the flattened expert ids; inv: its inverse permutation."""
-    return _Dispatch.apply(z, order, inv, k)
+    return EAGER.dispatch(z, order, inv, k)
 
 
 def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -358,6 +364,7 @@ class Kernels:
         self.norm_fwd, self.norm_bwd = wrap(norm_fwd), wrap(norm_bwd)
         self.res_fwd, self.res_bwd = wrap(res_fwd), wrap(res_bwd)
         self.combine_fwd, self.combine_bwd = wrap(combine_fwd), wrap(combine_bwd)
+        self.gather_sum = wrap(gather_sum)
         self.router_select, self.sigmoid_gate = wrap(router_select), wrap(sigmoid_gate)
         self.silu_streams, self.cross_entropy = wrap(silu_streams), wrap(cross_entropy)
 
@@ -392,6 +399,10 @@ class Kernels:
         if len(cands) == 1:
             return cands[0]
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
+
+    def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
+        """See :func:`dispatch`."""
+        return _Dispatch.apply(z, order, inv, k, self)
 
     def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:
         """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L] fp32."""

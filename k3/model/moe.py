@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from k3.config import TextConfig
 from k3.model.common import GLUMLP, RMSNorm, keep_fp32
-from k3.model.fused import EAGER, Kernels, dispatch, sort_slots
+from k3.model.fused import EAGER, Kernels, sort_slots
 
 
 class Router(nn.Module):
@@ -71,7 +71,7 @@ class RoutedExperts(nn.Module):
         # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
         flat = idx.reshape(-1)
         counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-        xs = dispatch(z, order, inv, k)
+        xs = self.kernels.dispatch(z, order, inv, k)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
             # fp32 master weights under autocast: _grouped_mm wants both operands in bf16. While training

@@ -132,18 +132,21 @@ def _combine_ref(y, w, idx):
     return torch.zeros(N, y.shape[1]).index_add_(0, order // k, contrib)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dispatch_and_combine_match_index_add(dtype):
+def test_dispatch_and_combine_match_index_add(dtype, compiled):
+    kern = Kernels(compiled=True, backend="aot_eager") if compiled else EAGER
     N, k, E, L = 11, 3, 5, 24
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
     order, inv = sort_slots(idx)
     assert torch.equal(order, torch.argsort(idx.reshape(-1), stable=True))
     assert torch.equal(order[inv], torch.arange(N * k))
     z = torch.randn(N, L).to(dtype)
+    _check(lambda z: kern.dispatch(z, order, inv, k), lambda z: z.index_select(0, order // k), [z], dtype)
     _check(lambda z: dispatch(z, order, inv, k), lambda z: z.index_select(0, order // k), [z], dtype)
     y = torch.randn(N * k, L).to(dtype)
     w = torch.rand(N, k)
-    _check(lambda y, w: EAGER.combine(y, w, order, inv), lambda y, w: _combine_ref(y, w, idx), [y, w], dtype)
+    _check(lambda y, w: kern.combine(y, w, order, inv), lambda y, w: _combine_ref(y, w, idx), [y, w], dtype)
 
 
 def test_combine_with_no_tokens():
