@@ -22,8 +22,8 @@ for s in $sections; do
         tests/serve/test_compiled_decode.py 2>&1 | tail -60 > "$OUT/tests.txt"
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
-      { python bench/train.py --seq-lens 4096,8192 --steps 4 --backends triton
-        python bench/train.py --seq-lens 8192 --steps 4 --backends triton --compile; } 2>&1 | quiet > "$OUT/train.txt"
+      { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 1,4
+        python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
     serve)
       { python bench/serve.py --which decode,agentic --compile --markdown

@@ -346,11 +346,11 @@ class Engine:
         else:
             flat = [t for r, n in batch for t in r.tokens[r.num_computed: r.num_computed + n]]
             ids = torch.tensor(flat, device=self.device)[None]
-            cu = torch.tensor([0] + ns, device=self.device).cumsum(0)
+            cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
             embeds = prefill_embeds(self.model, ids, batch)  # media rows spliced in, or None
             h, _ = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
                                     cache=cache)
-            last = h[0, cu[1:] - 1]
+            last = h[0, (cu[1:] - 1).to(self.device)]
         cache.commit()
         self._computed(batch)
         return self.model.lm_head(last)

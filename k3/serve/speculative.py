@@ -259,7 +259,7 @@ class SpeculativeDecoder:
         cache = PagedBatchCache(eng.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=True, paged_mla=eng.paged_mla)
         ids = torch.tensor([t for _, seq in rows for t in seq], device=eng.device)[None]
-        cu = torch.tensor([0] + ns, device=eng.device).cumsum(0)
+        cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
         h, _ = eng.model.model(ids, cu_seqlens=cu, cache=cache)
         cache.commit()
         return eng.model.lm_head(h[0]) if logits else None

@@ -18,6 +18,11 @@ from k3.model.kda import causal_conv_silu, conv_silu_streams
 # gradients differ by a few bf16 ulps of the largest value.
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 GTOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
+# Gradients of broadcast weights are sums over all rows, in a different order in each implementation:
+# absolute tolerance = this fraction of the largest entry. bf16: one bf16 rounding step (2^-8) of the
+# largest entry (the bf16 reference rounds every row's normalised value; on the H200 a compiled RMSNorm
+# weight gradient over 3,003 rows measured 1.8e-3 of the largest entry).
+REDUCED = {torch.float32: 1e-3, torch.bfloat16: 2 ** -8}
 def _recompute_table() -> Kernels:
     """The compiled-mode SiTU pair (inputs saved, activations recomputed in the backward), run eagerly."""
     from k3.model import fused
@@ -53,7 +58,7 @@ def _check(fast, ref, inputs, dtype, reduced: tuple[int, ...] = ()):
             assert a is not None and a.dtype == b.dtype
             tol = dict(GTOL[dtype])
             if i in reduced:
-                tol["atol"] = max(tol["atol"], 1e-3 * b.abs().max().item())
+                tol["atol"] = max(tol["atol"], REDUCED[dtype] * b.abs().max().item())
             torch.testing.assert_close(a, b, **tol)
 
 
@@ -284,6 +289,7 @@ def test_cuda_grouped_experts_match_the_loop():
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_regions_bf16(compiled):
+    torch.manual_seed(0)
     kern = Kernels(compiled=True) if compiled else EAGER
     dev = "cuda"
     ab = (torch.randn(4099, 2 * 96, device=dev) * 4).bfloat16()
