@@ -50,7 +50,8 @@ for s in $sections; do
       python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} 2>&1 | quiet > "$OUT/variants.txt"
       grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
     shortconv)  # fused short conv + SiLU vs the transpose + cuDNN depthwise conv path
-      python bench/short_conv.py --sweep 2>&1 | quiet > "$OUT/shortconv.txt"
+      { python bench/short_conv.py --sweep --tokens 65536
+        python bench/short_conv.py --tokens 65536 --row-width 4232; } 2>&1 | quiet > "$OUT/shortconv.txt"
       grep -E "^\||check" "$OUT/shortconv.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv)"; exit 2 ;;
   esac

@@ -24,10 +24,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _check(B, T, S, C, W, dtype, cu=None, sliced=False):
+def _check(B, T, S, C, W, dtype, cu=None, sliced=False, pad=5, at=3):
+    """sliced: x is columns [at, at + S*C) of a wider tensor (S*C + pad columns), like a fused projection."""
     torch.manual_seed(0)
-    full = torch.randn(B, T, S * C + (5 if sliced else 0), device=DEV, dtype=dtype)
-    x = (full[..., 3:3 + S * C] if sliced else full).detach().requires_grad_()
+    full = torch.randn(B, T, S * C + (pad if sliced else 0), device=DEV, dtype=dtype)
+    x = (full[..., at:at + S * C] if sliced else full).detach().requires_grad_()
     w = (torch.randn(S * C, 1, W, device=DEV) * 0.5).requires_grad_()
     cu_t = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu is not None else None
     out = short_conv_silu(x, w, streams=S, cu_seqlens=cu_t)
@@ -89,6 +90,20 @@ def test_sliced_input_and_one_stream():
     _check(1, 40, 1, 48, 3, torch.float32, cu=[0, 13, 40], sliced=True)
 
 
+@pytest.mark.parametrize("pad", [8, 16, 4])
+def test_row_stride_alignment(pad, bwd):
+    """Rows a multiple of 8 / 16 / 4 elements apart (k3-small's fused projection: 4,232 = 8 x 529): the
+    kernels get the stride as quotient x power-of-two factor; B = 2 so the batch stride is used too."""
+    from k3.ops.short_conv.triton_conv import _strides
+
+    full = torch.zeros(2, 5, 3 * 16 + pad)
+    st = _strides(full[..., :48])
+    assert st["VT"] * st["sxt_v"] == 48 + pad and (48 + pad) % st["VT"] == 0 and st["VT"] in (4, 8, 16)
+    assert st["VB"] * st["sxb_v"] == 5 * (48 + pad)
+    _check(2, 70, 3, 16, 4, torch.bfloat16, sliced=True, pad=pad, at=0)
+    _check(1, 70, 3, 16, 4, torch.float32, cu=[0, 17, 70], sliced=True, pad=pad, at=0)
+
+
 def test_document_starts():
     cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
     assert document_starts(cu, 5).tolist() == [0, 0, 2, 2, 2]
@@ -120,3 +135,5 @@ def test_bad_input():
 @pytest.mark.gpu
 def test_gpu_large_bf16(bwd):
     _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True)
+    # k3-small's layout: q|k|v leading a 4,232-wide fused projection (rows 16-byte aligned, VT = 8)
+    _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True, pad=1160, at=0)

@@ -65,14 +65,16 @@ def _conv_rows(w, starts, xb, rows, m_rows, o_c, m_c, sxt,
 
 
 @triton.jit
-def _short_conv_fwd(x, w, starts, out, B, T, sxb, sxt,
+def _short_conv_fwd(x, w, starts, out, B, T, sxb_v, sxt_v,
                     SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_t, m_c = o_t < T, o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb
+    xb = x + i_b.to(tl.int64) * sxb_v * VB
     y = _conv_rows(w, starts, xb, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
     z = y * _sigmoid(y)
     # [S, B, T, C] layout: stream s = c // C
@@ -81,14 +83,16 @@ def _short_conv_fwd(x, w, starts, out, B, T, sxb, sxt,
 
 
 @triton.jit
-def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb, sxt,
+def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
                     SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_s, m_c = o_s < T, o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb
+    xb = x + i_b.to(tl.int64) * sxb_v * VB
     dob = dout + ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + (o_c % C)[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
@@ -119,16 +123,18 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb, sxt,
 
 
 @triton.jit
-def _short_conv_dz(x, w, starts, dout, dz, B, T, sxb, sxt,
+def _short_conv_dz(x, w, starts, dout, dz, B, T, sxb_v, sxt_v,
                    SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                   VB: tl.constexpr, VT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Split backward, pass 1: dz [B, T, SC] fp32 = dout * SiLU'(y) with y recomputed from x."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_t, m_c = o_t < T, o_c < SC
     m = m_t[:, None] & m_c[None, :]
-    y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
+    y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb_v * VB, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
     off = ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + o_t.to(tl.int64)[:, None] * C + (o_c % C)[None, :]
     dy = tl.load(dout + off, mask=m, other=0.0).to(tl.float32)
     sg = _sigmoid(y)
@@ -137,15 +143,17 @@ def _short_conv_dz(x, w, starts, dout, dz, B, T, sxb, sxt,
 
 
 @triton.jit
-def _short_conv_dxdw(x, w, starts, dz, dx, dw_part, T, sxb, sxt,
+def _short_conv_dxdw(x, w, starts, dz, dx, dw_part, T, sxb_v, sxt_v,
                      SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                     VB: tl.constexpr, VT: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Split backward, pass 2: dx[s] = sum_e w[W-1-e] dz[s+e] (same document), and this block's dw partials."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_s, m_c = o_s < T, o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb
+    xb = x + i_b.to(tl.int64) * sxb_v * VB
     dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
@@ -178,6 +186,20 @@ def _bwd_mode() -> str:
     return mode
 
 
+def _strides(x: torch.Tensor) -> dict:
+    """x's batch and row strides as (quotient, power-of-two factor <= 16) pairs. Triton only knows an
+    integer argument's alignment when it is divisible by 16; the rows of a fused projection (k3-small:
+    4,232 elements) are 16-byte aligned but not a multiple of 16 elements, and without the factor every
+    load of the kernel ran element by element (0.55 vs 0.30 ms per forward at 65K x 3,072)."""
+    out = {}
+    for name, v, stride in (("sxb_v", "VB", x.stride(0)), ("sxt_v", "VT", x.stride(1))):
+        f = 16
+        while stride % f:
+            f //= 2
+        out[name], out[v] = stride // f, f
+    return out
+
+
 def _grid(B: int, T: int, SC: int, bt: int, bc: int) -> tuple[int, int, int]:
     return triton.cdiv(T, bt), triton.cdiv(SC, bc), B
 
@@ -194,7 +216,7 @@ class ShortConvSiLU(torch.autograd.Function):
         out = torch.empty(streams, B, T, C, device=x.device, dtype=x.dtype)
         st = starts if starts is not None else weight
         bt, bc, warps = _tiles("FWD")
-        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, B, T, x.stride(0), x.stride(1),
+        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, B, T, **_strides(x),
                                                  SC=SC, C=C, W=W, HAS_STARTS=starts is not None,
                                                  BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, starts)
@@ -215,13 +237,13 @@ class ShortConvSiLU(torch.autograd.Function):
         st = starts if starts is not None else weight
         has = starts is not None
         if _bwd_mode() == "fused":
-            _short_conv_bwd[grid](x, weight, st, dout, dx, dw_part, B, T, x.stride(0), x.stride(1),
+            _short_conv_bwd[grid](x, weight, st, dout, dx, dw_part, B, T, **_strides(x),
                                   SC=SC, C=C, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         else:
             dz = torch.empty(B, T, SC, device=x.device, dtype=torch.float32)
-            _short_conv_dz[grid](x, weight, st, dout, dz, B, T, x.stride(0), x.stride(1),
+            _short_conv_dz[grid](x, weight, st, dout, dz, B, T, **_strides(x),
                                  SC=SC, C=C, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-            _short_conv_dxdw[grid](x, weight, st, dz, dx, dw_part, T, x.stride(0), x.stride(1),
+            _short_conv_dxdw[grid](x, weight, st, dz, dx, dw_part, T, **_strides(x),
                                    SC=SC, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
         return dx, dw, None, None
