@@ -9,10 +9,13 @@ as the in-run baseline, with the chunked PyTorch KDA backend.
     python bench/train.py --accum 1,4           # also 4 micro-batches of --tokens per optimizer step
     python bench/train.py --tiny --device cpu   # smoke run of the same code path
 
-FLOPs per token (training = 3 x forward), counted from the config:
+FLOPs per token (training = 3 x forward), counted from the config with the spec's k3 MFU convention
+(shared/spec benchmarks.md section 3):
     matmuls  2 * (active parameters without the input embedding)
     MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context)
-    KDA      per layer 2 * H * (4 * K * V + C * (K + V)), C = 64 (state update/readout + intra-chunk)
+    KDA      per layer H * (6 * K^2 + 3 * C * K + C^2), C = 64     (chunked kernels, K = V)
+(Before 2026-12-01 06:30 UTC the KDA term was 2 * H * (4 * K * V + C * (K + V)): 0.54% more FLOPs per
+token for k3-small at T 8192, so the MFU values measured earlier are that much higher.)
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def flops_per_token(model: K3ForCausalLM, seq_len: int) -> float:
         if tc.is_mla(i):
             fwd += 2 * tc.num_attention_heads * (tc.qk_head_dim + tc.v_head_dim) * seq_len / 2
         else:
-            H, K = tc.kda_num_heads, tc.kda_head_dim
-            fwd += 2 * H * (4 * K * K + 64 * 2 * K)
+            H, K, C = tc.kda_num_heads, tc.kda_head_dim, 64
+            fwd += H * (6 * K * K + 3 * C * K + C * C)
     return 3 * fwd
 
 
