@@ -204,19 +204,27 @@ def silu_streams(y: Tensor, streams: int, out_dtype: torch.dtype) -> Tensor:
 # autograd wrappers
 
 
+def _situ_forward(ctx, a: Tensor, b: Tensor, beta: float, beta_lin: float, kern: "Kernels") -> Tensor:  # noqa: ANN001
+    out, saved = kern.situ_fwd(a, b, beta, beta_lin)
+    ctx.save_for_backward(*(t if t is not None else a.new_empty(0) for t in saved))
+    ctx.none = tuple(t is None for t in saved)
+    ctx.args = (beta, beta_lin, kern)
+    return out
+
+
+def _situ_saved(ctx) -> tuple:  # noqa: ANN001
+    """(saved tensors with None restored, beta, beta_lin, kern)."""
+    return [None if none else t for t, none in zip(ctx.saved_tensors, ctx.none)], *ctx.args
+
+
 class _SiTU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, beta, beta_lin, kern):  # noqa: ANN001 - autograd signature
-        out, saved = kern.situ_fwd(a, b, beta, beta_lin)
-        ctx.save_for_backward(*(t if t is not None else a.new_empty(0) for t in saved))
-        ctx.none = tuple(t is None for t in saved)
-        ctx.args = (beta, beta_lin, kern)
-        return out
+        return _situ_forward(ctx, a, b, beta, beta_lin, kern)
 
     @staticmethod
     def backward(ctx, go):  # noqa: ANN001
-        saved = [None if none else t for t, none in zip(ctx.saved_tensors, ctx.none)]
-        beta, beta_lin, kern = ctx.args
+        saved, beta, beta_lin, kern = _situ_saved(ctx)
         ga, gb = kern.situ_bwd(go, *saved, beta, beta_lin)
         return ga, gb, None, None, None
 
@@ -226,17 +234,11 @@ class _SiTUPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ab, beta, beta_lin, kern):  # noqa: ANN001 - autograd signature
-        a, b = ab.chunk(2, dim=-1)
-        out, saved = kern.situ_fwd(a, b, beta, beta_lin)
-        ctx.save_for_backward(*(t if t is not None else ab.new_empty(0) for t in saved))
-        ctx.none = tuple(t is None for t in saved)
-        ctx.args = (beta, beta_lin, kern)
-        return out
+        return _situ_forward(ctx, *ab.chunk(2, dim=-1), beta, beta_lin, kern)
 
     @staticmethod
     def backward(ctx, go):  # noqa: ANN001
-        saved = [None if none else t for t, none in zip(ctx.saved_tensors, ctx.none)]
-        beta, beta_lin, kern = ctx.args
+        saved, beta, beta_lin, kern = _situ_saved(ctx)
         return kern.situ_bwd_packed(go, *saved, beta, beta_lin), None, None, None
 
 

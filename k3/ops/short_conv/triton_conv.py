@@ -65,6 +65,23 @@ def _conv_rows(w, starts, xb, rows, m_rows, o_c, m_c, sxt,
 
 
 @triton.jit
+def _dw_partials(dw_part, xb, starts, dz, rows, m_rows, o_c, m_c, sxt, block,
+                 SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """dw_part[block, j, c] = sum over this block's output rows t of dz[t, c] x[t - (W-1) + j, c] (same document)."""
+    if HAS_STARTS:
+        st = tl.load(starts + rows, mask=m_rows, other=0)
+    else:
+        st = tl.zeros_like(rows)
+    part = dw_part + (block.to(tl.int64) * W) * SC
+    for j in tl.static_range(W):
+        src = rows - (W - 1) + j
+        m = m_rows & (src >= st)
+        xv = tl.load(xb + src.to(tl.int64)[:, None] * sxt + o_c[None, :], mask=m[:, None] & m_c[None, :],
+                     other=0.0).to(tl.float32)
+        tl.store(part + j * SC + o_c, tl.sum(dz * xv, axis=0), mask=m_c)
+
+
+@triton.jit
 def _short_conv_fwd(x, w, starts, out, B, T, sxb_v, sxt_v,
                     SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
                     VB: tl.constexpr, VT: tl.constexpr,
@@ -106,18 +123,9 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
         sg = _sigmoid(y)
         dz = dy * sg * (1.0 + y * (1.0 - sg))
         dxs += dz * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
-        if e == 0:  # dw[c, j] = sum_t dz[t, c] x[t - (W-1) + j, c] over this program's output rows
-            if HAS_STARTS:
-                st = tl.load(starts + o_s, mask=m_s, other=0)
-            else:
-                st = tl.zeros_like(o_s)
-            part = dw_part + ((i_b * tl.num_programs(0) + i_t).to(tl.int64) * W) * SC
-            for j in tl.static_range(W):
-                src = o_s - (W - 1) + j
-                m = m_s & (src >= st)
-                xv = tl.load(xb + src.to(tl.int64)[:, None] * sxt + o_c[None, :], mask=m[:, None] & m_c[None, :],
-                             other=0.0).to(tl.float32)
-                tl.store(part + j * SC + o_c, tl.sum(dz * xv, axis=0), mask=m_c)
+        if e == 0:
+            _dw_partials(dw_part, xb, starts, dz, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
+                         SC, W, HAS_STARTS)
     tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
@@ -163,18 +171,9 @@ def _short_conv_dxdw(x, w, starts, dz, dx, dw_part, T, sxb_v, sxt_v,
             m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
         d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m_out[:, None] & m_c[None, :], other=0.0)
         dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
-        if e == 0:  # dw[c, j] = sum_t dz[t, c] x[t - (W-1) + j, c] over this program's rows t
-            if HAS_STARTS:
-                st = tl.load(starts + o_s, mask=m_s, other=0)
-            else:
-                st = tl.zeros_like(o_s)
-            part = dw_part + ((i_b * tl.num_programs(0) + i_t).to(tl.int64) * W) * SC
-            for j in tl.static_range(W):
-                src = o_s - (W - 1) + j
-                m = m_s & (src >= st)
-                xv = tl.load(xb + src.to(tl.int64)[:, None] * sxt + o_c[None, :], mask=m[:, None] & m_c[None, :],
-                             other=0.0).to(tl.float32)
-                tl.store(part + j * SC + o_c, tl.sum(d * xv, axis=0), mask=m_c)
+        if e == 0:
+            _dw_partials(dw_part, xb, starts, d, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
+                         SC, W, HAS_STARTS)
     tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
