@@ -82,21 +82,28 @@ def _dw_partials(dw_part, xb, starts, dz, rows, m_rows, o_c, m_c, sxt, block,
 
 
 @triton.jit
-def _short_conv_fwd(x, w, starts, out, B, T, sxb_v, sxt_v,
+def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
                     SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    VB: tl.constexpr, VT: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr, DZ: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y = conv(x) per row. Forward: out [S, B, T, C] = SiLU(y). DZ (split backward, pass 1):
+    out [B, T, SC] fp32 = dz = dout * SiLU'(y), dout in the [S, B, T, C] layout."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_t, m_c = o_t < T, o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb_v * VB
-    y = _conv_rows(w, starts, xb, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
-    z = y * _sigmoid(y)
+    m = m_t[:, None] & m_c[None, :]
+    y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb_v * VB, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
+    sg = _sigmoid(y)
     # [S, B, T, C] layout: stream s = c // C
     off = ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + o_t.to(tl.int64)[:, None] * C + (o_c % C)[None, :]
-    tl.store(out + off, z.to(out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if DZ:
+        dy = tl.load(dout + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
+                 dy * sg * (1.0 + y * (1.0 - sg)), mask=m)
+    else:
+        tl.store(out + off, (y * sg).to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -128,26 +135,6 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
                          SC, W, HAS_STARTS)
     tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
-
-
-@triton.jit
-def _short_conv_dz(x, w, starts, dout, dz, B, T, sxb_v, sxt_v,
-                   SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                   VB: tl.constexpr, VT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Split backward, pass 1: dz [B, T, SC] fp32 = dout * SiLU'(y) with y recomputed from x."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_t, m_c = o_t < T, o_c < SC
-    m = m_t[:, None] & m_c[None, :]
-    y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb_v * VB, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
-    off = ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + o_t.to(tl.int64)[:, None] * C + (o_c % C)[None, :]
-    dy = tl.load(dout + off, mask=m, other=0.0).to(tl.float32)
-    sg = _sigmoid(y)
-    tl.store(dz + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
-             dy * sg * (1.0 + y * (1.0 - sg)), mask=m)
 
 
 @triton.jit
@@ -215,8 +202,8 @@ class ShortConvSiLU(torch.autograd.Function):
         out = torch.empty(streams, B, T, C, device=x.device, dtype=x.dtype)
         st = starts if starts is not None else weight
         bt, bc, warps = _tiles("FWD")
-        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, B, T, **_strides(x),
-                                                 SC=SC, C=C, W=W, HAS_STARTS=starts is not None,
+        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, out, B, T, **_strides(x),
+                                                 SC=SC, C=C, W=W, HAS_STARTS=starts is not None, DZ=False,
                                                  BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, starts)
         ctx.streams = streams
@@ -240,8 +227,8 @@ class ShortConvSiLU(torch.autograd.Function):
                                   SC=SC, C=C, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         else:
             dz = torch.empty(B, T, SC, device=x.device, dtype=torch.float32)
-            _short_conv_dz[grid](x, weight, st, dout, dz, B, T, **_strides(x),
-                                 SC=SC, C=C, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+            _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **_strides(x),
+                                  SC=SC, C=C, W=W, HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
             _short_conv_dxdw[grid](x, weight, st, dz, dx, dw_part, T, **_strides(x),
                                    SC=SC, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
