@@ -107,10 +107,13 @@ def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
 
 
 @triton.jit
-def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
+def _short_conv_bwd(x, w, starts, dout, dz, dx, dw_part, B, T, sxb_v, sxt_v,
                     SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    VB: tl.constexpr, VT: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's document, and this block's dw partials.
+    SPLIT: dz [B, T, SC] fp32 comes from the DZ pass of _short_conv_fwd; else each dz[s+e] is recomputed
+    from x and dout (y of W output rows per input row: no scratch, W times the conv work)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
@@ -118,6 +121,7 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
     m_s, m_c = o_s < T, o_c < SC
     xb = x + i_b.to(tl.int64) * sxb_v * VB
     dob = dout + ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + (o_c % C)[None, :]
+    dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
         # output row t = s + e reads input row s through tap W-1-e, if s lies in t's document
@@ -125,38 +129,14 @@ def _short_conv_bwd(x, w, starts, dout, dx, dw_part, B, T, sxb_v, sxt_v,
         m_out = m_s & (t < T)
         if HAS_STARTS:
             m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
-        y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
-        dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m_out[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-        sg = _sigmoid(y)
-        dz = dy * sg * (1.0 + y * (1.0 - sg))
-        dxs += dz * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
-        if e == 0:
-            _dw_partials(dw_part, xb, starts, dz, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
-                         SC, W, HAS_STARTS)
-    tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
-             dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
-
-
-@triton.jit
-def _short_conv_dxdw(x, w, starts, dz, dx, dw_part, T, sxb_v, sxt_v,
-                     SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                     VB: tl.constexpr, VT: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Split backward, pass 2: dx[s] = sum_e w[W-1-e] dz[s+e] (same document), and this block's dw partials."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
-    o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_s, m_c = o_s < T, o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb_v * VB
-    dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
-    dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for e in tl.static_range(W):
-        t = o_s + e
-        m_out = m_s & (t < T)
-        if HAS_STARTS:
-            m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
-        d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m_out[:, None] & m_c[None, :], other=0.0)
+        m = m_out[:, None] & m_c[None, :]
+        if SPLIT:
+            d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0)
+        else:
+            y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
+            dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m, other=0.0).to(tl.float32)
+            sg = _sigmoid(y)
+            d = dy * sg * (1.0 + y * (1.0 - sg))
         dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
         if e == 0:
             _dw_partials(dw_part, xb, starts, d, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
@@ -222,14 +202,13 @@ class ShortConvSiLU(torch.autograd.Function):
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         st = starts if starts is not None else weight
         has = starts is not None
-        if _bwd_mode() == "fused":
-            _short_conv_bwd[grid](x, weight, st, dout, dx, dw_part, B, T, **_strides(x),
-                                  SC=SC, C=C, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        else:
+        split = _bwd_mode() == "split"
+        dz = dout
+        if split:
             dz = torch.empty(B, T, SC, device=x.device, dtype=torch.float32)
             _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **_strides(x),
                                   SC=SC, C=C, W=W, HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-            _short_conv_dxdw[grid](x, weight, st, dz, dx, dw_part, T, **_strides(x),
-                                   SC=SC, W=W, HAS_STARTS=has, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        _short_conv_bwd[grid](x, weight, st, dout, dz, dx, dw_part, B, T, **_strides(x), SC=SC, C=C, W=W,
+                              HAS_STARTS=has, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
         return dx, dw, None, None
