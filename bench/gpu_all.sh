@@ -37,7 +37,8 @@ for s in $sections; do
       python bench/kda.py --quick --sections train,decode 2>&1 | quiet > "$OUT/kda.txt"
       grep -E "^\|" "$OUT/kda.txt" ;;
     trainprof)  # where a compiled k3-small training step spends its time
-      python bench/profile_step.py --phases train,optim --compile --rows 40 2>&1 | quiet > "$OUT/trainprof.txt"
+      python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host 2>&1 | quiet \
+        > "$OUT/trainprof.txt"
       grep -E "^## " "$OUT/trainprof.txt" ;;
     kdafla)  # k3 vs fla training rows in one process; fla's autotune results are kept (TRITON_CACHE_AUTOTUNING)
       # under $KDA_TUNE_DIR, tarred to $OUT/fla_autotune.tgz: unpack it there in a later call to skip the warm-up
