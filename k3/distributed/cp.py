@@ -145,14 +145,15 @@ def kda_cp_forward(self: KDAttention, x: torch.Tensor, layout: SeqLayout, cache=
     q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
     f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
     b = self.b_proj(x).float()
-    s = int(layout.cu_seqlens[-2])  # start of the last local document piece
+    cu_host = layout.cu_seqlens_cpu if layout.cu_seqlens_cpu is not None else layout.cu_seqlens.cpu()
+    s = int(cu_host[-2])  # start of the last local document piece
     S_ext, M = kda_segment_transform(l2norm(k[:, s:]), v[:, s:], kda_gate(f[:, s:], self.A_log, self.dt_bias,
                                      self.lower_bound), torch.sigmoid(b[:, s:]))
     init = ctx.initial_state(S_ext[0], M[0])
     initial = torch.cat([init[None], init.new_zeros(N - 1, *init.shape)])
-    o, _ = kda(q, k, v, f, b, initial_state=initial, cu_seqlens=layout.cu_seqlens, A_log=self.A_log,
-               dt_bias=self.dt_bias, lower_bound=self.lower_bound, use_qk_l2norm_in_kernel=True,
-               use_beta_sigmoid_in_kernel=True, backend=self.kda_backend)
+    o, _ = kda(q, k, v, f, b, initial_state=initial, cu_seqlens=layout.cu_seqlens, cu_seqlens_cpu=cu_host,
+               A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend)
     gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, H, K)
     o = (rms_norm(o.float(), self.o_norm.weight, self.eps) * gate).to(x.dtype)
     return self.o_proj(o.reshape(B, T, H * K))
