@@ -3,8 +3,10 @@
     python bench/profile_step.py                 # k3-small on CUDA: train step (T 8192), optimizer, decode
     python bench/profile_step.py --tiny --device cpu
 
-Prints, per phase, wall time, the summed device-kernel time (if the two differ a lot the phase is
-bound by host overhead, not by the GPU) and the top operators by self device time.
+Prints, per phase, wall time (with and without the profiler), the summed device-kernel time (if
+wall and kernels differ a lot the phase is bound by host overhead, not by the GPU) and the top
+operators by self device time; `--host` adds them by host time, `--by-shape` by input shapes,
+`--trace DIR` writes a Chrome/Perfetto timeline per phase.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _report(name: str, prof, wall: float, device: torch.device, rows: int, by_sh
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
-def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool = False, host: bool = False) -> None:
+def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool = False, host: bool = False,
+                  trace: str | None = None) -> None:
     fn()
     _sync(device)  # warm-up (Triton compiles, allocator)
     t0 = time.perf_counter()
@@ -53,11 +56,21 @@ def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool
         _sync(device)
         wall = time.perf_counter() - t0
     print(f"\n{name}: {plain * 1e3:.1f} ms wall without the profiler")
+    if trace:  # a Chrome / Perfetto timeline: where the GPU waits on the host, kernel by kernel
+        prof.export_chrome_trace(trace)
+        print(f"trace: {trace}")
     _report(name, prof, wall, device, rows)
     if by_shape:
         _report(name + " (by input shape)", prof, wall, device, rows, by_shape=True)
     if host:
         _report(name + " (by host time: what the CPU spends issuing the work)", prof, wall, device, rows, host=True)
+
+
+def _trace_path(folder: str | None, phase: str) -> str | None:
+    if folder is None:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{phase}.json")
 
 
 def main() -> None:
@@ -75,6 +88,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training and decode)")
     ap.add_argument("--by-shape", action="store_true", help="also a table grouped by operator input shapes")
     ap.add_argument("--host", action="store_true", help="also a table sorted by host (CPU) self time")
+    ap.add_argument("--trace", default=None, help="folder for a Chrome trace (.json) of each phase")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -103,10 +117,12 @@ def main() -> None:
         loss.backward()
 
     if "train" in phases:
-        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows, args.by_shape, args.host)
+        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows, args.by_shape,
+                      args.host, _trace_path(args.trace, "train"))
     if "optim" in phases:
         fwd_bwd()
-        profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows)
+        profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows,
+                      trace=_trace_path(args.trace, "optim"))
     opt.zero_grad(set_to_none=True)
     if "decode" in phases:
         from k3.serve.engine import Engine, EngineConfig

@@ -169,3 +169,19 @@ def test_mla_prefill_rows_equal_the_masked_padded_attention():
         for i in range(N):  # only each row's real tokens are defined
             torch.testing.assert_close(got[i, : new[i]].float(), want[i, : new[i]].float(), atol=tol, rtol=tol)
         assert not got[1:2].isnan().any() and (got[3] == 0).all()
+
+
+def test_seq_layout_keeps_host_offsets():
+    """SeqLayout holds cu_seqlens on the input's device and on the host; shape decisions (longest
+    document, total) come from the host copy, and host tensors pass through to_device_async as is."""
+    from k3.ops import to_device_async
+
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    lay = SeqLayout.build(1, 10, cu, None, torch.device("cpu"))
+    assert lay.cu_seqlens_cpu.dtype == torch.int64 and lay.cu_seqlens_cpu.tolist() == [0, 3, 3, 10]
+    assert lay.cu_seqlens.tolist() == [0, 3, 3, 10] and lay.new_lens.tolist() == [3, 0, 7]
+    assert lay.max_new() == 7 and lay.total_new() == 10 and lay.num_seqs == 3
+    rows = SeqLayout.build(2, 5, None, None, torch.device("cpu"))
+    assert rows.cu_seqlens_cpu is None and rows.max_new() == 5 and rows.total_new() == 10
+    t = torch.arange(4)
+    assert to_device_async(t, "cpu") is t
