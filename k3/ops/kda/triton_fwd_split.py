@@ -58,7 +58,7 @@ from k3.ops.kda.triton_common import (
     _stc,
     _tf32_round,
 )
-from k3.ops.kda.triton_fwd_v2 import _dotv, _ex, _exw, _half_up, _ut_inverse
+from k3.ops.kda.triton_fwd_v2 import _dotv, _exw, _half_up, _rowblock, _ut_inverse
 
 
 @triton.jit
@@ -103,38 +103,6 @@ def _kda_fwd_keys(
 
 
 @triton.jit
-def _rowblock(gs, q, k, row64, nr, col0, i, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-              AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
-    """Unscaled contribution of key columns [col0, col0 + BK) to row block i of P and A, transposed,
-    as one [64, 32] fp32 tile X: X[s, c] ~ P[16 i + c, s] (c < 16), X[s, 16 + c] ~ A[16 i + c, s].
-    Also returns the squares of this column slice summed per row, for the L2 norms: [64] over the
-    key rows s (k), [32] over the operand rows (q rows of block i, then k rows of block i).
-
-    gs points at column col0 of the (chunk, head)'s G in GS (row stride K).  As triton_fwd_v2's
-    _rowblock (there G sits in a [64, BK] scratch; here i is a runtime value).  Rows s >= 16 (i + 1)
-    of the left operand (above-diagonal entries only, whose factors would overflow) are masked
-    before the exponential.  Operands are loaded from memory (L1 / L2 hits) in the layouts the dot
-    wants."""
-    o_t = tl.arange(0, 64)
-    o_c = tl.arange(0, BK)
-    o32 = tl.arange(0, 32)
-    mid = tl.load(gs + (16 * i + 7) * K + o_c)
-    Gl = tl.load(gs + o_t[:, None] * K + o_c[None, :])
-    kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
-                 mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
-    kc = kl * _ex(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30), ACC)
-    # right operand, transposed [BK, 32]: rows 16 i .. 16 i + 15 of q, then of k, times e^(G - mid_i)
-    rows = 16 * i + o32 % 16
-    Gi = tl.load(gs + rows[None, :] * K + o_c[:, None])
-    midc = tl.load(gs + (16 * i + 7) * K + o_c)
-    offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
-    src = tl.where((o32 < 16)[None, :], q + offs, k + offs)
-    qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
-    X = _dotv(kc, qk * _ex(Gi - midc[:, None], ACC), AP_PREC, RADD)
-    return X, tl.sum(kl * kl, axis=1), tl.sum(qk * qk, axis=0)
-
-
-@triton.jit
 def _kda_fwd_ap(
     q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu_seqlens, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
@@ -157,7 +125,7 @@ def _kda_fwd_ap(
     sk = tl.zeros([64], dtype=tl.float32)
     sqk = tl.zeros([32], dtype=tl.float32)
     for kc in range(K // BK):
-        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, AP_PREC, ACC, RADD)
+        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, K, AP_PREC, ACC, RADD)
         X += dX
         if L2:
             sk += dsk

@@ -90,35 +90,40 @@ def _exw(x, ACC: tl.constexpr):
 
 
 @triton.jit
-def _rowblock(scr, q, k, row64, nr, col0, i: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-              BK: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
-    """Contribution of one key chunk to row block i of P and A, transposed, as one [64, 32] fp32
-    tile X: X[s, c] ~ P[16 i + c, s] for c < 16, X[s, 16 + c] ~ A[16 i + c, s], without the row /
-    column scales (L2 norms, scale, beta: applied once after the key loop).
+def _rowblock(gs, q, k, row64, nr, col0, i, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+              GSTRIDE: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
+    """Contribution of key columns [col0, col0 + BK) to row block i of P and A, transposed, as one
+    [64, 32] fp32 tile X: X[s, c] ~ P[16 i + c, s] for c < 16, X[s, 16 + c] ~ A[16 i + c, s], without
+    the row / column scales (L2 norms, scale, beta: applied once after the key loop).  Also returns
+    the squares of this column slice summed per row, for the L2 norms: [64] over the key rows s (k),
+    [32] over the operand rows (q rows of block i, then k rows of block i); unused returns cost nothing.
 
-    scr holds the key chunk's cumulative decay [64, BK] (row stride BK; see _ex for its domain).
-    Reference mid_i = G[16 i + 7]: the [64, BK] left operand k e^(mid_i - G) serves P and A in one
-    dot with the right operand [q_i | k_i]^T e^(G_i - mid_i) [BK, 32] (N = 32: half the wgmma
-    groups of two N = 16 dots).  Rows s >= 16 (i + 1) of the left operand (above-diagonal entries
-    only, factors that would overflow) are masked before the exponential.  Every operand is loaded
-    here from memory (k, q from the input, G from the scratch: L1 / L2 hits), so Triton places the
-    loads directly in the dot-operand layouts instead of converting register tiles."""
+    gs points at the chunk's cumulative decay G for these columns, rows GSTRIDE apart (v2: a [64, BK]
+    scratch; split: column col0 of G in GS, row stride K); see _ex for its domain.  i may be a
+    constexpr (v2) or a runtime value (split).  Reference mid_i = G[16 i + 7]: the [64, BK] left
+    operand k e^(mid_i - G) serves P and A in one dot with the right operand [q_i | k_i]^T
+    e^(G_i - mid_i) [BK, 32] (N = 32: half the wgmma groups of two N = 16 dots).  Rows s >= 16 (i + 1)
+    of the left operand (above-diagonal entries only, factors that would overflow) are masked before
+    the exponential.  Every operand is loaded here from memory (k, q from the input, G from the
+    scratch / GS: L1 / L2 hits), so Triton places the loads directly in the dot-operand layouts
+    instead of converting register tiles."""
     o_t = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
     o32 = tl.arange(0, 32)
-    mid = tl.load(scr + (16 * i + 7) * BK + o_c)
-    Gl = tl.load(scr + o_t[:, None] * BK + o_c[None, :])
+    mid = tl.load(gs + (16 * i + 7) * GSTRIDE + o_c)
+    Gl = tl.load(gs + o_t[:, None] * GSTRIDE + o_c[None, :])
     kl = tl.load(k + (row64 + o_t.to(tl.int64)[:, None] * H) * K + col0 + o_c[None, :],
                  mask=(o_t < nr)[:, None], other=0.0).to(tl.float32)
     kc = kl * _ex(tl.where(o_t[:, None] < 16 * (i + 1), mid[None, :] - Gl, -1.0e30), ACC)
     # right operand, transposed [BK, 32]: rows 16 i .. 16 i + 15 of q, then of k, times e^(G - mid_i)
     rows = 16 * i + o32 % 16
-    Gi = tl.load(scr + rows[None, :] * BK + o_c[:, None])
-    midc = tl.load(scr + (16 * i + 7) * BK + o_c)
+    Gi = tl.load(gs + rows[None, :] * GSTRIDE + o_c[:, None])
+    midc = tl.load(gs + (16 * i + 7) * GSTRIDE + o_c)
     offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
     src = tl.where((o32 < 16)[None, :], q + offs, k + offs)
-    qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32) * _ex(Gi - midc[:, None], ACC)
-    return _dotv(kc, qk, AP_PREC, RADD)
+    qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
+    X = _dotv(kc, qk * _ex(Gi - midc[:, None], ACC), AP_PREC, RADD)
+    return X, tl.sum(kl * kl, axis=1), tl.sum(qk * qk, axis=0)
 
 
 @triton.jit
@@ -213,7 +218,6 @@ def _kda_fwd_intra_v2(
     o_t = tl.arange(0, 64)
     o_s = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
-    o16 = tl.arange(0, 16)
     m_t = o_t < nr
     ACC: tl.constexpr = q.dtype.element_ty == tl.float32
 
@@ -262,10 +266,10 @@ def _kda_fwd_intra_v2(
         else:
             tl.store(GL + tile * K + col0 + o_c, gl * 0.6931471805599453)
         tl.store(xw + o_t[:, None] * K + col0 + o_c[None, :], b_kn * b_b[:, None] * eG)
-        X0 += _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, AP_PREC, ACC, RADD)
-        X1 += _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, AP_PREC, ACC, RADD)
-        X2 += _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, AP_PREC, ACC, RADD)
-        X3 += _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, AP_PREC, ACC, RADD)
+        X0 += _rowblock(scr, q, k, row64, nr, col0, 0, H, K, BK, BK, AP_PREC, ACC, RADD)[0]
+        X1 += _rowblock(scr, q, k, row64, nr, col0, 1, H, K, BK, BK, AP_PREC, ACC, RADD)[0]
+        X2 += _rowblock(scr, q, k, row64, nr, col0, 2, H, K, BK, BK, AP_PREC, ACC, RADD)[0]
+        X3 += _rowblock(scr, q, k, row64, nr, col0, 3, H, K, BK, BK, AP_PREC, ACC, RADD)[0]
 
     # row / column scales through the scratch (16-element slices in the accumulators' layout)
     tl.debug_barrier()  # G scratch reads done
