@@ -204,16 +204,19 @@ class Trainer:
             # each micro-batch's mean loss weighted by its share of the step's targets: the summed
             # gradients equal those of the whole batch in one forward
             w = mb.num_targets / batch.num_targets if len(micro) > 1 else 1.0
-            ids, labels, cu = (to_device_async(t, self.device) for t in (mb.input_ids, mb.labels, mb.cu_seqlens))
+            ids, labels = (to_device_async(t, self.device) for t in (mb.input_ids, mb.labels))
+            cu = mb.cu_seqlens  # host offsets: the model's layers then never read them back from the GPU
             with self._autocast():
                 if self.vision is not None:  # image chats packed after the text rows, one forward
                     vb = next(self.vision.loader).to(self.device)
-                    objective, mloss, vision_loss = joint_loss(self.model, ids, labels, cu, vb,
+                    objective, mloss, vision_loss = joint_loss(self.model, ids, labels,
+                                                               to_device_async(cu, self.device), vb,
                                                                self.cfg.vision_loss_weight)
-                elif self.par is None:  # host offsets: the layers then never read them back from the GPU
-                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=mb.cu_seqlens).loss
+                elif self.par is None:
+                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu).loss
                 else:
-                    objective, mloss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, mb.seq_len))
+                    local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), mb.seq_len)
+                    objective, mloss = self.par.loss(self.model, local)
             (objective * w if len(micro) > 1 else objective).backward()
             loss = loss + mloss.detach() * w
         if self.par is None:
@@ -249,13 +252,14 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for batch in self.data.val_batches:
-            ids, labels, cu = (to_device_async(t, self.device)
-                              for t in (batch.input_ids, batch.labels, batch.cu_seqlens))
+            ids, labels = (to_device_async(t, self.device) for t in (batch.input_ids, batch.labels))
+            cu = batch.cu_seqlens
             with self._autocast():
                 if self.par is None:
-                    loss = self.model(ids, labels=labels, cu_seqlens=batch.cu_seqlens).loss
+                    loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
                 else:
-                    loss = self.par.loss(self.model, self.par.local_batch(ids, labels, cu, batch.seq_len))[1]
+                    local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), batch.seq_len)
+                    loss = self.par.loss(self.model, local)[1]
             n = int((labels != -100).sum())
             total += loss.item() * n
             count += n

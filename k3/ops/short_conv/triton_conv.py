@@ -203,12 +203,13 @@ class ShortConvSiLU(torch.autograd.Function):
         st = starts if starts is not None else weight
         has = starts is not None
         split = _bwd_mode() == "split"
-        dz = dout
+        strides = _strides(x)
+        dz = dout  # not read by the fused kernel (SPLIT=False), which recomputes dz
         if split:
             dz = torch.empty(B, T, SC, device=x.device, dtype=torch.float32)
-            _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **_strides(x),
+            _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **strides,
                                   SC=SC, C=C, W=W, HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        _short_conv_bwd[grid](x, weight, st, dout, dz, dx, dw_part, B, T, **_strides(x), SC=SC, C=C, W=W,
+        _short_conv_bwd[grid](x, weight, st, dout, dz, dx, dw_part, B, T, **strides, SC=SC, C=C, W=W,
                               HAS_STARTS=has, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
         return dx, dw, None, None
