@@ -51,14 +51,12 @@ import triton.language as tl
 from k3.ops.kda.triton_common import (
     _chunk,
     _cvt,
-    _dot,
     _exp,
     _gate,
     _ld,
     _stc,
-    _tf32_round,
 )
-from k3.ops.kda.triton_fwd_v2 import _dotv, _exw, _half_up, _rowblock, _ut_inverse
+from k3.ops.kda.triton_fwd_v2 import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
 
 
 @triton.jit
@@ -80,19 +78,7 @@ def _kda_fwd_keys(
     o_c = tl.arange(0, BK)
     b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, o_t < nr,
                 lower_bound, K, BK, GATE)
-    if CUMDOT:
-        # as triton_fwd_v2: the 0/1 triangle is exact in tf32, two products (head + rounded
-        # remainder) reach tf32x3's accuracy
-        tri = (o_t[None, :] <= o_t[:, None]).to(tl.float32)
-        g_hi = _tf32_round(b_g)
-        if RADD:
-            G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
-        else:
-            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
-    else:
-        G = tl.cumsum(b_g, axis=0)
-    if not ACC:
-        G = G * 1.4426950408889634  # scratch domain (triton_fwd_v2._ex)
+    G = _cumdecay_scr(b_g, CUMDOT, RADD, ACC)
     tl.store(GS + tile * (64 * K) + o_t[:, None] * K + col0 + o_c[None, :], G)
     # gl: G's last row bit for bit (the A-P kernel reads it back from GS for kg = k e^(gl - G))
     gl = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), axis=0)

@@ -60,6 +60,28 @@ def _half_up(x):
 
 
 @triton.jit
+def _cumdecay_scr(b_g, CUMDOT: tl.constexpr, RADD: tl.constexpr, ACC: tl.constexpr):
+    """Inclusive cumulative sum of the log-decay chunk b_g [64, BK] over its rows, in the scratch
+    domain (see _ex: G for fp32 inputs (ACC), G log2 e otherwise).  CUMDOT: a dot with the 0/1 lower
+    triangle.  The triangle is exact in tf32, so two tf32 products (b_g's tf32 head and its
+    remainder) reach tf32x3's accuracy with one product less (the remainder rounded to nearest:
+    unbiased, |err| <= 2^-22 |g|).  Otherwise a scan."""
+    if CUMDOT:
+        o_t = tl.arange(0, 64)
+        tri = (o_t[None, :] <= o_t[:, None]).to(tl.float32)
+        g_hi = _tf32_round(b_g)
+        if RADD:
+            G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
+        else:
+            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
+    else:
+        G = tl.cumsum(b_g, axis=0)
+    if not ACC:
+        G = G * 1.4426950408889634
+    return G
+
+
+@triton.jit
 def _dotv(a, b, PREC: tl.constexpr, RADD: tl.constexpr):
     """_dot, with "tf32r" done by _half_up when RADD (the CPU interpreter's tf32 emulation
     truncates too, so it computes the same values)."""
@@ -235,20 +257,7 @@ def _kda_fwd_intra_v2(
         b_k = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32)
         b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, m_t,
                     lower_bound, K, BK, GATE)
-        if CUMDOT:
-            # inclusive cumsum as a dot with the 0/1 lower triangle.  The triangle is exact in tf32,
-            # so two tf32 products (b_g's tf32 head and its remainder) reach tf32x3's accuracy
-            # with one product less (the remainder rounded to nearest: unbiased, |err| <= 2^-22 |g|).
-            tri = (o_s[None, :] <= o_t[:, None]).to(tl.float32)
-            g_hi = _tf32_round(b_g)
-            if RADD:
-                G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
-            else:
-                G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
-        else:
-            G = tl.cumsum(b_g, axis=0)
-        if not ACC:
-            G = G * 1.4426950408889634  # scratch domain (see _ex)
+        G = _cumdecay_scr(b_g, CUMDOT, RADD, ACC)
         tl.debug_barrier()  # the previous key chunk's scratch reads are done
         tl.store(scr + o_t[:, None] * BK + o_c[None, :], G)
         tl.debug_barrier()
