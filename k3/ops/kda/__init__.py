@@ -73,6 +73,8 @@ def kda(
         raise ValueError("the in-kernel gate needs dt_bias together with A_log")
     if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
         raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    if cu_seqlens is not None and cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.cpu()  # read back once here, not in every check below
     check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     if backend == "auto":
         # The Triton kernels need a known lower bound on the per-step decay (the K3 gate gives one).

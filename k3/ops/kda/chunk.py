@@ -45,12 +45,12 @@ import os
 import torch
 import triton
 
+from k3.ops import to_device_async
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
-from k3.ops import to_device_async
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
@@ -418,6 +418,8 @@ def chunk_kda(
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
     """
+    if cu_seqlens is not None and cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.cpu()  # read back once, for the checks and the chunk bookkeeping
     _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else float(scale)
