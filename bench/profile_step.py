@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -33,11 +34,15 @@ def _sync(device: torch.device) -> None:
 
 def _report(name: str, prof, wall: float, device: torch.device, rows: int, by_shape: bool = False,
             host: bool = False) -> None:
-    key = "self_device_time_total" if device.type == "cuda" and not host else "self_cpu_time_total"
+    on_device = device.type == "cuda" and not host
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
     events = prof.key_averages(group_by_input_shape=by_shape)
-    dev_total = sum(getattr(e, key, 0.0) for e in events) / 1e3
-    print(f"\n## {name}: wall {wall * 1e3:.1f} ms, summed {'device' if device.type == 'cuda' else 'cpu'} "
-          f"self time {dev_total:.1f} ms")
+    if on_device:  # kernel rows only: operator and compiled-graph rows report their kernels' time again
+        total = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+    else:
+        total = sum(e.self_cpu_time_total for e in events)
+    print(f"\n## {name}: wall {wall * 1e3:.1f} ms, summed {'kernel' if on_device else 'host (CPU)'} "
+          f"self time {total / 1e3:.1f} ms")
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
