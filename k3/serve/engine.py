@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from k3.ops import to_device_async
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
 from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_media, prefill_embeds, vision_config_of
 from k3.serve.metrics import EngineMetrics
@@ -350,7 +351,7 @@ class Engine:
             embeds = prefill_embeds(self.model, ids, batch)  # media rows spliced in, or None
             h, _ = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
                                     cache=cache)
-            last = h[0, (cu[1:] - 1).to(self.device)]
+            last = h[0, to_device_async(cu[1:] - 1, self.device)]
         cache.commit()
         self._computed(batch)
         return self.model.lm_head(last)
