@@ -145,14 +145,18 @@ class StreamingParser:
                 self._on_marker(marker)
         return self._drain()
 
-    def finish(self) -> list[ChatDelta]:
-        """End of output: flush held-back text; drop an unfinished tag header or tool call."""
+    def finish(self, *, close_calls: bool = False) -> list[ChatDelta]:
+        """End of output: flush held-back text; drop an unfinished tag header. An unfinished tool call is
+        dropped, or emitted with the arguments read so far when `close_calls` (a forced call that the
+        model ended early, e.g. with an end-of-message marker, must still come out)."""
         if self._mode == "text":
             carry, self._carry = self._carry, ""
             self._on_text(carry)
         elif self._mode == "ids":
             self._on_text(self._decoder.decode(b"", final=True))
         self._header = None
+        if close_calls and "call" in self._names():
+            self._close("call")
         self._stack = [f for f in self._stack if f.name in ("message",) + _CHANNELS]
         self.done = True
         return self._drain()

@@ -65,9 +65,10 @@ class ChatAssembler:
     def _deltas(self, out: RequestOutput) -> list[dict]:
         events = self.parser.feed_ids(out.new_token_ids)
         if out.finished:
-            if self.close_ids and not self.parser.result()["tool_calls"] and not self.parser.done:
+            forced = bool(self.close_ids) and not self.parser.result()["tool_calls"]
+            if forced and not self.parser.done:
                 events += self.parser.feed_ids(self.close_ids)
-            events += self.parser.finish()
+            events += self.parser.finish(close_calls=forced)
             self.usage = usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
             self.finish_reason = self._finish_reason(out.finish_reason)
         deltas: list[dict] = []

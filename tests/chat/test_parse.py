@@ -150,6 +150,18 @@ def test_tool_call_emitted_only_after_close(tok) -> None:
     assert [d.kind for d in p.feed(C + "call" + S)] == ["tool_call"]
 
 
+def test_finish_can_close_an_open_call() -> None:
+    """A forced call the model ended early (end marker inside it) still comes out with close_calls."""
+    text = C + "think" + S + O + "tools" + S + O + 'call tool="f" index="1"' + S + O + 'argument key="a" type="string"' + S + "x" + E
+    dropped, closed = StreamingParser(), StreamingParser()
+    dropped.feed(text)
+    closed.feed(text)
+    assert dropped.finish() == [] and dropped.result()["tool_calls"] == []
+    (d,) = closed.finish(close_calls=True)
+    assert d.kind == "tool_call" and d.tool_call["function"] == {"name": "f", "arguments": '{"a": "x"}'}
+    assert StreamingParser().finish(close_calls=True) == []  # nothing open: nothing emitted
+
+
 def test_special_text_from_ordinary_tokens_is_content(tok) -> None:
     """The think-leak guard: marker text made of ordinary BPE pieces never opens a channel."""
     leak = O + "response" + S + "leaked"
@@ -302,3 +314,16 @@ def test_never_raises_and_chunking_invariant(tok, pieces, start, data) -> None:
     p.finish()
     assert p.result() == batch
     assert parse(tok.encode(text, allow_special=True), tok, start=start) == batch
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(_pieces)
+def test_forced_call_always_comes_out(tok, pieces) -> None:
+    """Named tool_choice: whatever the model writes after the forced call header, finish(close_calls=True)
+    emits that call (first, under its own name)."""
+    p = StreamingParser(tok, start="response")
+    p.feed(tok.encode(C + "response" + S + O + "tools" + S + O + 'call tool="get_weather" index="1"' + S, allow_special=True))
+    p.feed(tok.encode("".join(pieces), allow_special=True))
+    p.finish(close_calls=True)
+    calls = p.result()["tool_calls"]
+    assert calls and calls[0]["function"]["name"] == "get_weather"

@@ -189,20 +189,29 @@ def test_history_is_rendered_with_preserved_thinking_and_tool_results(server, to
     assert "thinking_effort" not in text
 
 
-def test_named_tool_choice_forces_the_call(tokenizer):
+@pytest.mark.parametrize("ending", ["cut_off", "end_of_msg"])
+def test_named_tool_choice_forces_the_call(tokenizer, ending):
     b = SegmentBuilder()
     b.open_tag("argument", [("key", "city"), ("type", "string")])
-    b.text("Rome")  # cut off: the argument is never closed
+    b.text("Rome")  # the argument is never closed
+    if ending == "end_of_msg":  # what a random model did in CI: an end marker inside the forced call
+        b.end_of_msg()
     fake = FakeEngine(tokenizer, encode(tokenizer, b))
     app = build_app(fake, tokenizer, ServerConfig(model_names=("k3-test",)))
+    forced = {"type": "function", "function": {"name": "get_weather"}}
     with TestClient(app) as client:
-        r = chat(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        r = chat(client, tools=TOOLS, tool_choice=forced)
+        ev = sse(chat(client, tools=TOOLS, tool_choice=forced, stream=True))
     assert r.status_code == 200, r.text
     text = tokenizer.decode(fake.submitted[0][0])
     assert text.endswith('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>')
     choice = r.json()["choices"][0]
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert choice["finish_reason"] == "tool_calls"
+    calls = [d["choices"][0]["delta"]["tool_calls"][0] for d in ev if d["choices"] and "tool_calls" in d["choices"][0]["delta"]]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[1]["function"]["arguments"] == '{"city": "Rome"}'
+    assert [e["choices"][0]["finish_reason"] for e in ev if e["choices"] and e["choices"][0]["finish_reason"]] == [
+        "tool_calls"]
 
 
 def test_completions_shapes(server):
