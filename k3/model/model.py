@@ -97,6 +97,11 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = ResVector((d,), 1.0)
         self.output_attn_res_proj = ResVector((1, d), 0.0)
         self.gradient_checkpointing = False
+        # Under autocast the token embeddings enter the residual stream in the autocast dtype, as in the
+        # official bf16 model (the other AttnRes candidates already are: mixer and FFN outputs leave bf16
+        # GEMMs). True keeps the fp32 embeddings of fp32 master weights (k3 before 2026-12-01): bank
+        # entry 0 of every later mix then costs twice the bytes, forward and backward.
+        self.fp32_embeddings = False
 
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, cache: HybridCache | None = None,
@@ -109,6 +114,7 @@ class K3Model(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if x.dim() != 3:
             raise ValueError(f"expected input_ids [B, T] / inputs_embeds [B, T, d], got {list(x.shape)}")
+        x = self._embeddings_dtype(x)
         B, T, _ = x.shape
         layout = SeqLayout.build(B, T, cu_seqlens, cache, x.device)
         want = set(hidden_state_layers or [])
@@ -129,3 +135,9 @@ class K3Model(nn.Module):
         if cache is not None:
             cache.advance(layout.new_lens)
         return self.norm(out), hidden
+
+    def _embeddings_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        if self.fp32_embeddings or not torch.is_autocast_enabled(dev):
+            return x
+        return x.to(torch.get_autocast_dtype(dev))
