@@ -22,7 +22,8 @@ for s in $sections; do
         tests/serve/test_compiled_decode.py 2>&1 | tail -60 > "$OUT/tests.txt"
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
-      { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 1,4
+      { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 1,4 \
+          --embed-dtype bf16,fp32
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
     serve)
@@ -37,7 +38,7 @@ for s in $sections; do
       python bench/kda.py --quick --sections train,decode 2>&1 | quiet > "$OUT/kda.txt"
       grep -E "^\|" "$OUT/kda.txt" ;;
     trainprof)  # where a compiled k3-small training step spends its time
-      python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host 2>&1 | quiet \
+      python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host --by-shape 2>&1 | quiet \
         > "$OUT/trainprof.txt"
       grep -E "^## " "$OUT/trainprof.txt" ;;
     kdafla)  # k3 vs fla training rows in one process; fla's autotune results are kept (TRITON_CACHE_AUTOTUNING)

@@ -32,7 +32,6 @@ re-saving an unmodified model reproduces the packed and scale tensors byte for b
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import re
@@ -46,6 +45,17 @@ import torch
 from torch import nn
 
 from k3.config import K3Config, TextConfig, kimi_k3
+from k3.model.safetensors_io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointError,
+    commit,
+    header,
+    open_shard,
+    read_weight_map,
+    target_dtype,
+    write_shards,
+)
 from k3.model.vision_config import VisionConfig
 from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
@@ -64,20 +74,13 @@ __all__ = [
 
 PREFIX = "language_model."
 VISION = "vision."  # internal prefix of the vision encoder; dropped in the official names
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _FP32_SUFFIXES = ("self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight",
                   "self_attn.A_log", "self_attn.dt_bias", "self_attn.o_norm.weight",
                   "block_sparse_moe.gate.e_score_correction_bias")
 _SKIP_RE = re.compile(r"(^|\.)(vision_tower|mm_projector)(\.|$)")
 _EXPERT_RE = re.compile(r"^(?P<group>.*\.block_sparse_moe\.experts)\.(?P<w>w[123])$")
-_SHARD_RE = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 # Loader tolerance: BF16 tensors may also be stored F32 (k3's lossless fp32 export).
 _ACCEPTED = {"BF16": ("BF16", "F32"), "F32": ("F32",), "U8": ("U8",)}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message names every offending tensor/file."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,57 +306,6 @@ class LoadReport:
     skipped: list[str] = field(default_factory=list)  # vision_tower / mm_projector (text-only model)
 
 
-def _read_weight_map(path: str) -> dict[str, str]:
-    """official name -> absolute shard path, from the index or the single-file checkpoint."""
-    if os.path.isfile(path):
-        return {n: path for n in _header(path)}
-    idx = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(idx):
-        try:
-            with open(idx) as f:
-                wm = json.load(f)["weight_map"]
-            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-                raise TypeError("weight_map must map names to file names")
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{idx}: not a valid safetensors index ({e!r})") from None
-        return {n: os.path.join(path, fn) for n, fn in wm.items()}
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
-        return {n: single for n in _header(single)}
-    raise CheckpointError(f"{path}: no {INDEX_FILE} and no {SINGLE_FILE} (not a checkpoint directory)")
-
-
-def _open(fn: str):
-    from safetensors import safe_open
-
-    if not os.path.isfile(fn):
-        raise CheckpointError(f"{fn}: shard file listed in the index does not exist")
-    try:
-        return safe_open(fn, framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
-        raise CheckpointError(f"{fn}: corrupt or truncated safetensors file ({e})") from None
-
-
-def _header(fn: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name -> (shape, dtype string) without reading tensor data."""
-    with _open(fn) as f:
-        out = {}
-        for n in f.keys():
-            s = f.get_slice(n)
-            out[n] = (tuple(s.get_shape()), s.get_dtype())
-        return out
-
-
-def _target_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-             "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype={dtype!r}: must be a torch dtype or one of {sorted(names)}")
-    return names[dtype]
-
-
 def _materialise(model: nn.Module, dtype: torch.dtype | None, device: torch.device | str | None) -> None:
     """Move/cast/allocate every parameter and buffer in place of the old ones, one at a time.
 
@@ -407,7 +359,7 @@ def _plan(state: dict[str, torch.Tensor], weight_map: dict[str, str]
     headers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     errors: list[str] = []
     for fn in sorted(set(weight_map[n] for n in names)):
-        headers[fn] = _header(fn)
+        headers[fn] = header(fn)
     missing = sorted(expected - set(names))
     unexpected = sorted(set(names) - expected)
     found: list[_Entry] = []
@@ -450,8 +402,8 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
         LoadReport. Raises CheckpointError naming every offending tensor or file.
     """
     path = os.fspath(path)
-    weight_map = _read_weight_map(path)
-    dt = _target_dtype(dtype)
+    weight_map = read_weight_map(path)
+    dt = target_dtype(dtype)
     state0 = model.state_dict(keep_vars=True)
     found, fmt, missing, unexpected, skipped, errors = _plan(state0, weight_map)
     del state0  # holding the old tensors would double peak memory while they are replaced
@@ -475,7 +427,7 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, dtype: torch.d
     pending: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
     with torch.no_grad():
         for fn in sorted(by_file):
-            with _open(fn) as f:
+            with open_shard(fn) as f:
                 for e in by_file[fn]:
                     try:
                         src = f.get_tensor(e.name)
@@ -585,14 +537,6 @@ def _iter_official(state: dict[str, torch.Tensor], fmt: str, out_dtype: torch.dt
             yield from _iter_experts(state, m["group"], fmt, out_dtype, scales)
 
 
-def _write_shard(tensors: dict[str, torch.Tensor], fn: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file(tensors, fn, metadata={"format": "pt"})
-    with open(fn, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def _check_model_layout(state: dict[str, torch.Tensor], cfg: K3Config) -> None:
     want = internal_shapes(cfg)
     errs = [f"{n}: missing from the model" for n in want if n not in state]
@@ -625,7 +569,7 @@ def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be positive")
     fmt = _check_format(experts_format, cfg)
-    out_dtype = _target_dtype(dtype) or torch.bfloat16
+    out_dtype = target_dtype(dtype) or torch.bfloat16
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype={dtype!r}: must be 'bfloat16' or 'float32'")
     state = model.state_dict()
@@ -642,65 +586,11 @@ def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.k3-save-", dir=parent)
     try:
-        shards = _write_shards(_iter_official(state, fmt, out_dtype, getattr(model, "_k3_mxfp4_scales", {})),
+        shards = write_shards(_iter_official(state, fmt, out_dtype, getattr(model, "_k3_mxfp4_scales", {})),
                                tmp, max_shard_bytes)
         cfg_out.save(os.path.join(tmp, "config.json"))
-        _commit(tmp, path, exists, shards)
+        commit(tmp, path, exists, shards)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return shards
-
-
-def _write_shards(items: Iterator[tuple[str, torch.Tensor]], tmp: str, max_bytes: int) -> list[str]:
-    """Greedy sharding in iteration order; writes shards and the index into `tmp`."""
-    raw: list[str] = []
-    weight_of: dict[str, int] = {}
-    cur: dict[str, torch.Tensor] = {}
-    cur_bytes = total = 0
-
-    def flush() -> None:
-        nonlocal cur, cur_bytes
-        fn = os.path.join(tmp, f"part-{len(raw):06d}.safetensors")
-        _write_shard(cur, fn)
-        raw.append(fn)
-        cur, cur_bytes = {}, 0
-
-    for name, t in items:
-        nb = t.numel() * t.element_size()
-        if cur and cur_bytes + nb > max_bytes:
-            flush()
-        cur[name] = t
-        weight_of[name] = len(raw)
-        cur_bytes += nb
-        total += nb
-    if cur or not raw:
-        flush()
-    n = len(raw)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    for fn, final in zip(raw, names):
-        os.replace(fn, os.path.join(tmp, final))
-    index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in weight_of.items()}}
-    with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    return names
-
-
-def _commit(tmp: str, path: str, exists: bool, shards: list[str]) -> None:
-    if not exists:
-        os.rename(tmp, path)  # the whole directory appears at once
-        return
-    # Remove the old completeness markers first, so that no index ever points at a mix of shards.
-    for marker in (INDEX_FILE, SINGLE_FILE):
-        if os.path.exists(os.path.join(path, marker)):
-            os.remove(os.path.join(path, marker))
-    for fn in shards + ["config.json"]:
-        os.replace(os.path.join(tmp, fn), os.path.join(path, fn))
-    os.replace(os.path.join(tmp, INDEX_FILE), os.path.join(path, INDEX_FILE))
-    for fn in os.listdir(path):
-        if _SHARD_RE.match(fn) and fn not in shards:
-            os.remove(os.path.join(path, fn))
-    shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from k3.config import K3Config, apply_overrides, k3_tiny, kimi_k3
 from k3.model import checkpoint as ckpt
+from k3.model import safetensors_io
 from k3.model.checkpoint import (
     INDEX_FILE,
     CheckpointError,
@@ -410,7 +411,7 @@ def test_save_is_atomic(tmp_path, bf16_ckpt, monkeypatch):
     save_checkpoint(model, cfg, d, max_shard_bytes=4 << 20)
     other = build(cfg, seed=9)
     calls = {"n": 0}
-    real = ckpt._write_shard
+    real = safetensors_io.write_shard
 
     def failing(tensors, fn):
         calls["n"] += 1
@@ -418,7 +419,7 @@ def test_save_is_atomic(tmp_path, bf16_ckpt, monkeypatch):
             raise OSError("disk full (injected)")
         real(tensors, fn)
 
-    monkeypatch.setattr(ckpt, "_write_shard", failing)
+    monkeypatch.setattr(safetensors_io, "write_shard", failing)
     with pytest.raises(OSError, match="injected"):
         save_checkpoint(other, cfg, d, max_shard_bytes=4 << 20)
     calls["n"] = 0
