@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -22,8 +22,8 @@ for s in $sections; do
         tests/serve/test_compiled_decode.py 2>&1 | tail -60 > "$OUT/tests.txt"
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
-      { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 1,4 \
-          --embed-dtype bf16,fp32
+      { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
+          --embed-dtype bf16,fp32 --situ inductor,triton
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
     serve)
@@ -55,7 +55,10 @@ for s in $sections; do
       { python bench/short_conv.py --sweep --tokens 65536
         python bench/short_conv.py --tokens 65536 --row-width 4232; } 2>&1 | quiet > "$OUT/shortconv.txt"
       grep -E "^\||check" "$OUT/shortconv.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv)"; exit 2 ;;
+    situ)  # SiTU-GLU: Triton kernels vs the Inductor regions vs eager, k3-small's shapes at 64K tokens
+      python bench/situ.py --sweep 2>&1 | quiet > "$OUT/situ.txt"
+      grep -E "^\||check" "$OUT/situ.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

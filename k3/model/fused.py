@@ -23,6 +23,7 @@ combine's backward is a gather, not an atomic scatter).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -344,6 +345,15 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 # the table
 
 
+def _situ_triton(x: Tensor) -> bool:
+    """Env K3_SITU: "inductor" (default: the compiled / eager torch regions) or "triton" (read per call,
+    so bench/train.py can compare both in one process); Triton needs CUDA tensors or the interpreter."""
+    choice = os.environ.get("K3_SITU", "inductor")
+    if choice not in ("inductor", "triton"):
+        raise ValueError(f"K3_SITU must be 'inductor' or 'triton', got {choice!r}")
+    return choice == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 class Kernels:
     """One implementation of every hot region; modules call through their ``kernels`` attribute.
 
@@ -382,8 +392,13 @@ class Kernels:
 
     def glu_packed(self, ab: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
         """`glu` of gate and up packed as ab = [a | b] ([..., 2I], e.g. one GEMM's output) -> [..., I].
-        Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation."""
+        Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation.
+        Env K3_SITU=triton runs SiTU as the Triton kernels of `k3.ops.situ` (CUDA, or the interpreter)."""
         if act == "situ":
+            if _situ_triton(ab):
+                from k3.ops.situ import situ_glu
+
+                return situ_glu(ab, beta, beta_lin)
             return _SiTUPacked.apply(ab, float(beta), float(beta_lin), self)
         a, b = ab.chunk(2, dim=-1)
         return self.glu(a, b, act, beta, beta_lin)

@@ -85,6 +85,25 @@ def test_glu_packed_matches_reference(kern, dtype, act):
     _check(lambda ab: kern.glu_packed(ab, act, 4.0, 25.0), ref, [ab], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_packed_triton_switch(monkeypatch, dtype):
+    """K3_SITU=triton: the Triton SiTU kernels (k3.ops.situ; the interpreter without CUDA) behind the same
+    call, same values and gradient layout; an unknown choice is an error."""
+    monkeypatch.setenv("K3_SITU", "triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ab = (torch.randn(3, 37, 2 * 19) * 6).to(dev, dtype)
+    out = EAGER.glu_packed(ab.requires_grad_(), "situ", 4.0, 25.0)
+    assert "SiTUGLU" in type(out.grad_fn.next_functions[0][0]).__name__  # under the reshape to [..., I]
+    ab = ab.detach()
+    _check(lambda ab: EAGER.glu_packed(ab, "situ", 4.0, 25.0),
+           lambda ab: situ_glu(*ab.chunk(2, dim=-1), 4.0, 25.0), [ab], dtype)
+    monkeypatch.setenv("K3_SITU", "cuda")
+    with pytest.raises(ValueError, match="K3_SITU"):
+        EAGER.glu_packed(ab, "situ", 4.0, 25.0)
+
+
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                           (torch.bfloat16, torch.bfloat16)])
 def test_rms_norm_matches_reference(dtype, wdtype):

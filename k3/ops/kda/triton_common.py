@@ -21,10 +21,12 @@ Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
+
+from k3.ops.triton_utils import INTERPRETED
+from k3.ops.triton_utils import cvt as _cvt
 
 
 def _has_block_ptr() -> bool:
@@ -43,7 +45,6 @@ USE_BLOCK_PTR = tl.constexpr(_has_block_ptr())
 # values; tf32 dots truncate their operands to tf32 first (see _dot); and fp32 -> bf16 conversions,
 # which the interpreter truncates, round to nearest even (see _cvt).  CI then sees the precision of
 # the GPU kernels.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -74,20 +75,6 @@ def _exp2(y):
     else:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
                                          is_pure=True, pack=1)
-
-
-@triton.jit
-def _cvt(x, dt: tl.constexpr):
-    """x converted to dt, rounding to nearest even (as the GPU does) also under the interpreter."""
-    if INTERPRETED:
-        if dt == tl.bfloat16:
-            u = x.to(tl.float32).to(tl.uint32, bitcast=True)
-            u = u + 0x7FFF + ((u >> 16) & 1)
-            return u.to(tl.float32, bitcast=True).to(dt)
-        else:
-            return x.to(dt)
-    else:
-        return x.to(dt)
 
 
 @triton.jit

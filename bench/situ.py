@@ -1,0 +1,105 @@
+"""SiTU-GLU on gate|up packed in one GEMM output, forward and forward+backward, on one GPU: k3's
+Triton kernels (`k3.ops.situ`) against the compiled (Inductor) regions the model uses by default
+and the eager PyTorch maths, on k3-small's training shapes at 65,536 tokens per micro-batch.
+
+Prints ms, achieved GB/s (minimal bytes: forward reads [M, 2I] and writes [M, I]; backward reads
+[M, 2I] and the [M, I] output gradient and writes [M, 2I]) and the fraction of 4.3 TB/s, and the
+ratio to the Inductor region from the same run. Correctness first: the Triton output against the
+float64 maths and the bf16 torch maths on the first shape.
+
+Usage: python bench/situ.py [--tokens 65536] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+BETA, BETA_LIN = 4.0, 25.0
+
+
+def shapes(tokens: int) -> list[tuple[str, int, int]]:
+    """(name, rows M, I) of k3-small's SiTU-GLUs: routed experts (top-8), dense layer 0, shared expert."""
+    return [("routed experts", tokens * 8, 512), ("dense layer 0", tokens, 4096), ("shared expert", tokens, 512)]
+
+
+def check(ab: torch.Tensor) -> None:
+    from k3.ops.situ import situ_glu
+    from k3.ops.situ.reference import situ_glu_reference
+
+    h = situ_glu(ab, BETA, BETA_LIN)
+    a, b = ab.chunk(2, dim=-1)
+    exact = situ_glu_reference(a.double(), b.double(), BETA, BETA_LIN)
+    bf16 = situ_glu_reference(a, b, BETA, BETA_LIN)
+    diff = (h.float() - bf16.float()).abs()
+    print(f"check ({list(ab.shape)} bf16): max |h - float64| / max |float64| "
+          f"{((h.double() - exact).abs().max() / exact.abs().max()).item():.2e}; outputs differing from the torch "
+          f"maths (fp32, cast): {(diff > 0).float().mean().item():.2e} of them, at most {diff.max().item():.3g}")
+    if (diff > torch.finfo(torch.bfloat16).eps * bf16.float().abs()).any():
+        raise SystemExit("SiTU check FAILED: more than one bf16 ulp from the torch maths")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
+    args = ap.parse_args(argv)
+    from triton.testing import do_bench
+
+    from k3.model.fused import EAGER, Kernels
+    from k3.ops.situ import situ_glu
+
+    compiled = Kernels(compiled=True)
+    impls = {"k3 triton": lambda ab: situ_glu(ab, BETA, BETA_LIN),
+             "inductor (default)": lambda ab: compiled.glu_packed(ab, "situ", BETA, BETA_LIN),
+             "eager torch": lambda ab: EAGER.glu_packed(ab, "situ", BETA, BETA_LIN)}
+    print(f"# SiTU-GLU, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| shape | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | inductor / impl |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, (name, M, I) in enumerate(shapes(args.tokens)):
+        torch.manual_seed(0)
+        ab = (torch.randn(M, 2 * I, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+        go = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
+        if i == 0:
+            check(ab.detach())
+        fwd_bytes, bwd_bytes = M * 3 * I * 2, M * 5 * I * 2
+        res = {}
+        for impl, fn in impls.items():
+            fwd = do_bench(lambda fn=fn: fn(ab), warmup=25, rep=100)
+            both = do_bench(lambda fn=fn: fn(ab).backward(go), warmup=25, rep=100, grad_to_none=[ab])
+            res[impl] = (fwd, both)
+        base = res["inductor (default)"][1]
+        for impl, (fwd, both) in res.items():
+            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
+            print(f"| {name} [{M}, {2 * I}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
+                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        if args.sweep and i == 0:
+            sweep(impls["k3 triton"], ab, go, fwd_bytes + bwd_bytes)
+    return 0
+
+
+def sweep(fn, ab: torch.Tensor, go: torch.Tensor, nbytes: int) -> None:
+    from triton.testing import do_bench
+
+    print("\n| BM | BI | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
+    for bm, bi, warps in [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (32, 128, 4),
+                          (64, 256, 16)]:
+        env = {"K3_SITU_BM": str(bm), "K3_SITU_BI": str(bi), "K3_SITU_WARPS": str(warps)}
+        os.environ.update(env)
+        try:
+            ms = do_bench(lambda: fn(ab).backward(go), warmup=25, rep=100, grad_to_none=[ab])
+            print(f"| {bm} | {bi} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
+        finally:
+            for k in env:
+                os.environ.pop(k)
+    print()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
