@@ -152,16 +152,20 @@ def res_bwd(go: Tensor, cands: list[Tensor], w: Tensor, p: Tensor, r: Tensor, s:
 
 def combine_fwd(y: Tensor, w: Tensor, inv: Tensor) -> tuple[Tensor, tuple]:
     """y: [N*k, L] expert outputs in expert-sorted order; w: [N, k] fp32; inv: [N*k] sorted slot of each
-    (token, choice). Returns [N, L] fp32."""
+    (token, choice). Returns [N, L] summed in fp32 and cast to y's dtype (compiled: one kernel, the
+    gathered [N, k, L] rows are never written), and (y, w) for the backward."""
     N, k = w.shape
     yt = y.index_select(0, inv).view(N, k, y.shape[-1])
-    return (yt * w.unsqueeze(-1)).sum(1), (yt, w)
+    return (yt * w.unsqueeze(-1)).sum(1).to(y.dtype), (y, w)
 
 
-def combine_bwd(go: Tensor, yt: Tensor, w: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+def combine_bwd(go: Tensor, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad y [N*k, L] in sorted order, grad w [N, k] fp32). Both re-gather inside their kernel:
+    gw from the y rows of each token's slots, gy from the gradient row of each slot's token."""
+    N, k = w.shape
     g = go.float().unsqueeze(1)  # [N, 1, L]
-    gw = (yt * g).sum(-1)
-    gyt = (g * w.unsqueeze(-1)).to(yt.dtype)
+    gw = (y.index_select(0, inv).view(N, k, y.shape[-1]) * g).sum(-1)
+    gyt = (g * w.unsqueeze(-1)).to(y.dtype)
     return gyt.flatten(0, 1).index_select(0, order), gw
 
 
@@ -281,15 +285,15 @@ class _AttnRes(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, w, order, inv, kern):  # noqa: ANN001
-        out, (yt, w) = kern.combine_fwd(y, w, inv)
-        ctx.save_for_backward(yt, w, order)
+        out, (y, w) = kern.combine_fwd(y, w, inv)
+        ctx.save_for_backward(y, w, order, inv)  # y, not its [N, k, L] gather: no extra write, no extra memory
         ctx.kern = kern
         return out
 
     @staticmethod
     def backward(ctx, go):  # noqa: ANN001
-        yt, w, order = ctx.saved_tensors
-        gy, gw = ctx.kern.combine_bwd(go, yt, w, order)
+        y, w, order, inv = ctx.saved_tensors
+        gy, gw = ctx.kern.combine_bwd(go, y, w, order, inv)
         return gy, gw, None, None, None
 
 
@@ -422,7 +426,8 @@ class Kernels:
         return _Dispatch.apply(z, order, inv, k, self)
 
     def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:
-        """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L] fp32."""
+        """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L], summed
+        in fp32 and cast to y's dtype (the spec: bf16 expert outputs, fp32 weighted sum, cast to bf16)."""
         return _Combine.apply(y, w, order, inv, self)
 
 

@@ -153,7 +153,7 @@ def _combine_ref(y, w, idx):
     N, k = idx.shape
     order = torch.argsort(idx.reshape(-1), stable=True)
     contrib = y.float() * w.reshape(-1).index_select(0, order)[:, None]
-    return torch.zeros(N, y.shape[1]).index_add_(0, order // k, contrib)
+    return torch.zeros(N, y.shape[1]).index_add_(0, order // k, contrib).to(y.dtype)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
