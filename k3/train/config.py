@@ -134,7 +134,30 @@ class TrainConfig:
 # images (4 media tokens: cheap rows, and one patch grid for every image), count and shape asked
 # more often than colour (which is learnt first), plots and rendered code at a low frequency
 # (long answers, not scored). See docs/vision.md for the runs.
+#
+# k3-small: the single-H200 recipe: 512K tokens per step in 64K-token micro-batches (where one H200
+# runs it fastest, docs/benchmarks.md), 8K -> 32K -> 64K context, compiled regions; ~2.1B tokens,
+# about 4 hours at the measured ~160K tokens/s. It needs a real corpus (--data): the default stdlib
+# corpus is read many times over (the data line says how many).
+# kimi-k3: the full K3 schedule 8K -> 64K -> 256K -> 1M at 16M tokens per step, for torchrun with
+# FSDP2 / EP / CP. Moonshot has not published K3's optimisation hyperparameters: the learning rate,
+# warmup and stage fractions here are a starting point in the range public Muon runs of this size
+# use, not the official values.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    "k3-small": {
+        "max_steps": 4000, "tokens_per_step": 1 << 19, "micro_batch_tokens": 1 << 16,
+        "stages": [{"seq_len": 8192, "fraction": 0.8}, {"seq_len": 32768, "fraction": 0.15},
+                   {"seq_len": 65536, "fraction": 0.05}],
+        "lr": 2e-3, "adamw_lr": 2e-3, "warmup_steps": 200, "eval_every": 250, "eval_tokens": 1 << 20,
+        "eval_seq_len": 8192, "save_every": 500, "compile": True,
+    },
+    "kimi-k3": {
+        "max_steps": 500_000, "tokens_per_step": 1 << 24, "micro_batch_tokens": 1 << 20,
+        "stages": [{"seq_len": 8192, "fraction": 0.9}, {"seq_len": 65536, "fraction": 0.07},
+                   {"seq_len": 262144, "fraction": 0.02}, {"seq_len": 1 << 20, "fraction": 0.01}],
+        "lr": 2e-4, "adamw_lr": 2e-4, "warmup_steps": 2000, "decay_fraction": 0.2, "eval_every": 2000,
+        "eval_tokens": 1 << 24, "eval_seq_len": 8192, "save_every": 1000, "compile": True,
+    },
     "k3-tiny-vl": {
         "max_steps": 200, "tokens_per_step": 256, "stages": [{"seq_len": 128, "fraction": 1.0}],
         "warmup_steps": 10, "eval_every": 100, "eval_tokens": 4096,

@@ -32,10 +32,15 @@ def prepare_data(cfg: TrainConfig, model_config: K3Config, log: Callable[[str], 
         raise ValueError("the corpus is too small for a validation split (need >= 2 documents)")
     first = cfg.stages[0].seq_len
     loader = PackedLoader(prep.train, first, cfg.tokens_per_step // first, seed=cfg.seed)
-    # Validation at one fixed length for the whole run, so the curve is comparable across stages.
-    bs = max(1, cfg.tokens_per_step // cfg.eval_seq_len)
+    # Validation at one fixed length for the whole run, so the curve is comparable across stages; a
+    # validation forward holds no more tokens than a training micro-batch.
+    bs = max(1, (cfg.micro_batch_tokens or cfg.tokens_per_step) // cfg.eval_seq_len)
     val = list(iter_val_batches(prep.val, cfg.eval_seq_len, bs, cfg.eval_tokens))
     h = unigram_entropy(prep.train)
     log(f"data: {prep.num_train_docs} train / {prep.num_val_docs} val documents, {prep.train.num_tokens:,} train "
         f"tokens, {sum(b.num_tokens for b in val):,} val tokens, unigram entropy {h:.3f} nats/token")
+    reads = cfg.max_steps * cfg.tokens_per_step
+    epochs = reads / max(1, prep.train.num_tokens)
+    log(f"data: this run reads {reads:,} tokens, {epochs:.2f} epochs of the train split"
+        + (" (repeated data: pass a larger corpus with --data)" if epochs > 4 else ""))
     return TrainData(prep.tokenizer, loader, val, h, prep.train.num_tokens)

@@ -45,7 +45,9 @@ def truncate_metrics(path: str, last_step: int) -> None:
 class Progress:
     """A single updating status line: step, loss, tokens/s, ETA, expert balance."""
 
-    def __init__(self, total_steps: int, stream: TextIO = sys.stderr) -> None:
+    def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:
+        """stream: default the current sys.stderr (looked up here, not when this module was imported)."""
+        stream = sys.stderr if stream is None else stream
         self.total, self.stream = total_steps, stream
         self.t0 = time.perf_counter()
         self.tty = stream.isatty()

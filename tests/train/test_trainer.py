@@ -90,6 +90,30 @@ def test_micro_batch_tokens_is_validated():
         TrainConfig(tokens_per_step=256, stages=[Stage(64, 1.0)], micro_batch_tokens=0).validate()
 
 
+@pytest.mark.parametrize("preset,stages", [("k3-small", [8192, 32768, 65536]),
+                                           ("kimi-k3", [8192, 65536, 262144, 1 << 20])])
+def test_gpu_preset_recipes(preset, stages):
+    """k3-small's single-GPU recipe and the full K3 schedule 8K -> 64K -> 256K -> 1M: valid, constant tokens
+    per step, 64K / 1M-token micro-batches, compiled; explicit keys still win."""
+    cfg = TrainConfig.from_dict({"preset": preset}).validate()
+    assert [s.seq_len for s in cfg.stages] == stages
+    assert cfg.micro_batch_tokens in (1 << 16, 1 << 20) and cfg.tokens_per_step % cfg.micro_batch_tokens == 0
+    assert cfg.compile and cfg.eval_seq_len == 8192
+    for T in stages:  # every stage's micro-batch holds whole rows
+        assert cfg.micro_batch_tokens % T == 0 or T % cfg.micro_batch_tokens == 0
+    assert TrainConfig.from_dict({"preset": preset, "compile": False, "max_steps": 7}).max_steps == 7
+
+
+def test_validation_batches_stay_within_a_micro_batch(corpus, tmp_path, capsys):
+    """With gradient accumulation a validation forward holds no more tokens than a training micro-batch
+    (a whole-step validation batch would need the memory of the whole step); the data line says how
+    many tokens the run reads."""
+    t = Trainer(_cfg(corpus, tmp_path / "v", tmp_path, micro_batch_tokens=128, eval_seq_len=64))
+    assert t.data.val_batches and all(b.num_tokens <= 128 for b in t.data.val_batches)
+    printed = capsys.readouterr()
+    assert "this run reads 1,536 tokens" in printed.out + printed.err
+
+
 def test_resume_refuses_a_changed_config(corpus, tmp_path):
     Trainer(_cfg(corpus, tmp_path / "c", tmp_path, max_steps=2)).run()
     with pytest.raises(ValueError, match="lr"):
