@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -23,7 +23,7 @@ for s in $sections; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
       { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
-          --embed-dtype bf16,fp32 --situ inductor,triton
+          --embed-dtype bf16,fp32 --situ inductor,triton --attnres inductor,triton
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
     serve)
@@ -58,7 +58,10 @@ for s in $sections; do
     situ)  # SiTU-GLU: Triton kernels vs the Inductor regions vs eager, k3-small's shapes at 64K tokens
       python bench/situ.py --sweep 2>&1 | quiet > "$OUT/situ.txt"
       grep -E "^\||check" "$OUT/situ.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ)"; exit 2 ;;
+    attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
+      python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
+      grep -E "^\||check" "$OUT/attnres.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -54,13 +54,13 @@ def sync(device: torch.device) -> None:
 
 
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,
-          embed: str = "bf16", situ: str = "inductor") -> dict:
+          embed: str = "bf16", situ: str = "inductor", attnres: str = "inductor") -> dict:
     """One optimizer step = `accum` forward/backward passes of `tokens` tokens each; embed: the dtype
     the token embeddings enter the residual stream in under autocast ("bf16" = k3's default,
-    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); situ: the SiTU-GLU implementation (env K3_SITU)."""
+    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); situ: the SiTU-GLU implementation (env K3_SITU); attnres: the Block-AttnRes one (env K3_ATTNRES)."""
     model.set_kda_backend(backend)
     model.model.fp32_embeddings = embed == "fp32"
-    os.environ["K3_SITU"] = situ
+    os.environ["K3_SITU"], os.environ["K3_ATTNRES"] = situ, attnres
     B = max(1, tokens // seq_len)
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * seq_len + 1), device=device)
@@ -87,8 +87,26 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     muon = sorted(opt_t)[len(opt_t) // 2]
     tok_s = accum * B * seq_len / step
     tflops = tok_s * flops_per_token(model, seq_len) / 1e12
-    return {"backend": backend, "embed": embed, "situ": situ, "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
+    return {"backend": backend, "embed": embed, "situ": situ, "attnres": attnres, "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
             "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "mfu_peak": tflops * 1e12 / PEAK_BF16, "opt_share": muon / step}
+
+
+def _variants(embed: str, situ: str, attnres: str) -> list[tuple[str, str, str]]:
+    """The (embeddings dtype, SiTU, AttnRes) combinations to time: the first of each list (the default),
+    then each listed alternative alone, then all the SiTU / AttnRes alternatives together (not the full
+    product: each run costs warm-up steps)."""
+    lists = {"--embed-dtype": embed.split(","), "--situ": situ.split(","), "--attnres": attnres.split(",")}
+    allowed = {"--embed-dtype": ("bf16", "fp32"), "--situ": ("inductor", "triton"), "--attnres": ("inductor", "triton")}
+    for name, values in lists.items():
+        bad = [v for v in values if v not in allowed[name]]
+        if bad:
+            raise SystemExit(f"{name}: expected one of {allowed[name]}, got {bad}")
+    e, s, a = lists.values()
+    out = [(e[0], s[0], a[0])] + [(x, s[0], a[0]) for x in e[1:]]
+    out += [(e[0], x, a[0]) for x in s[1:]] + [(e[0], s[0], x) for x in a[1:]]
+    if len(s) > 1 and len(a) > 1:
+        out.append((e[0], s[-1], a[-1]))
+    return out
 
 
 def main() -> None:
@@ -105,6 +123,8 @@ def main() -> None:
                     help="comma-separated dtypes of the embeddings in the residual stream under autocast: bf16 (default), fp32")
     ap.add_argument("--situ", default="inductor",
                     help="comma-separated SiTU-GLU implementations (env K3_SITU): inductor (default), triton")
+    ap.add_argument("--attnres", default="inductor",
+                    help="comma-separated Block-AttnRes implementations (env K3_ATTNRES): inductor (default), triton")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
     args = ap.parse_args()
@@ -124,17 +144,13 @@ def main() -> None:
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
           f"{tokens} tokens per micro-batch; median of {args.steps} steps; "
           f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
-    print("| KDA backend | embeddings | SiTU | T | B | micro-batches | step ms | tokens/s | TFLOP/s | MFU (790) | MFU (989) | optimizer share |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    runs = [(T, be, int(a), res, situ) for T in seq_lens for be in backends for a in args.accum.split(",")
-            for res in args.embed_dtype.split(",") for situ in args.situ.split(",")]
-    for T, be, accum, res, situ in runs:
-        if res not in ("bf16", "fp32"):
-            raise SystemExit(f"--embed-dtype: expected bf16 or fp32, got {res!r}")
-        if situ not in ("inductor", "triton"):
-            raise SystemExit(f"--situ: expected inductor or triton, got {situ!r}")
-        r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ)
-        print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+    print("| KDA backend | embeddings | SiTU | AttnRes | T | B | micro-batches | step ms | tokens/s | TFLOP/s | MFU (790) | MFU (989) | optimizer share |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",")
+            for v in _variants(args.embed_dtype, args.situ, args.attnres)]
+    for T, be, accum, res, situ, ar in runs:
+        r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar)
+        print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['attnres']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
               f"{r['tflops']:.1f} | {r['mfu']:.1%} | {r['mfu_peak']:.1%} | {r['opt_share']:.1%} |", flush=True)
 
 

@@ -349,12 +349,13 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 # the table
 
 
-def _situ_triton(x: Tensor) -> bool:
-    """Env K3_SITU: "inductor" (default: the compiled / eager torch regions) or "triton" (read per call,
-    so bench/train.py can compare both in one process); Triton needs CUDA tensors or the interpreter."""
-    choice = os.environ.get("K3_SITU", "inductor")
+def _triton_choice(var: str, x: Tensor) -> bool:
+    """Env `var` (K3_SITU, K3_ATTNRES): "inductor" (default: the compiled / eager torch regions) or
+    "triton" (the kernels of k3.ops; read per call, so bench/train.py can compare both in one process).
+    Triton needs CUDA tensors or the interpreter."""
+    choice = os.environ.get(var, "inductor")
     if choice not in ("inductor", "triton"):
-        raise ValueError(f"K3_SITU must be 'inductor' or 'triton', got {choice!r}")
+        raise ValueError(f"{var} must be 'inductor' or 'triton', got {choice!r}")
     return choice == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
@@ -399,7 +400,7 @@ class Kernels:
         Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation.
         Env K3_SITU=triton runs SiTU as the Triton kernels of `k3.ops.situ` (CUDA, or the interpreter)."""
         if act == "situ":
-            if _situ_triton(ab):
+            if _triton_choice("K3_SITU", ab):
                 from k3.ops.situ import situ_glu
 
                 return situ_glu(ab, beta, beta_lin)
@@ -416,9 +417,14 @@ class Kernels:
         return _Norm.apply(x, weight, gate, float(eps), False, out_dtype, self)
 
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
-        """Block-AttnRes mix (see k3.model.common.attn_res_mix)."""
+        """Block-AttnRes mix (see k3.model.common.attn_res_mix). Env K3_ATTNRES=triton runs it as the
+        Triton kernels of `k3.ops.attn_res` (CUDA, or the interpreter; up to 9 candidates)."""
         if len(cands) == 1:
             return cands[0]
+        if len(cands) <= 9 and _triton_choice("K3_ATTNRES", cands[-1]):
+            from k3.ops.attn_res import attn_res_mix
+
+            return attn_res_mix(cands, w_norm, w_proj, eps)
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:

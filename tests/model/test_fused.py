@@ -148,6 +148,56 @@ def test_attn_res_mix_matches_reference(n, dtype):
     _check(fast, ref, [wn, wp, *cands], dtype)
 
 
+def test_attn_res_triton_switch(monkeypatch):
+    """K3_ATTNRES=triton: the Triton AttnRes kernels (k3.ops.attn_res) behind the same call."""
+    monkeypatch.setenv("K3_ATTNRES", "triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cands = [(torch.randn(2, 6, 40) * s).to(dev) for s in (1.0, 3.0, 0.2)]
+    wn, wp = (torch.rand(40) + 0.5).to(dev), torch.randn(1, 40).to(dev)
+    out = EAGER.attn_res([c.requires_grad_() for c in cands], wn, wp, 1e-5)
+    assert type(out.grad_fn).__name__.startswith("AttnResMix")
+
+    def ref(wn, wp, *c):
+        return attn_res_mix(list(c), wn, wp, 1e-5)
+
+    _check(lambda wn, wp, *c: EAGER.attn_res(list(c), wn, wp, 1e-5), ref,
+           [wn, wp, *[c.detach() for c in cands]], torch.float32, reduced=(0, 1))
+
+
+def test_model_with_the_triton_regions_matches_default(monkeypatch):
+    """k3-tiny loss and every parameter gradient with K3_SITU=triton and K3_ATTNRES=triton (the Triton
+    kernels; the interpreter without CUDA) equal the default regions' in fp32."""
+    from k3.model.causal_lm import K3ForCausalLM
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(k3_tiny()).init_weights(seed=0).train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("res_proj.weight"):
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, 4096, (1, 40))
+    cu = torch.tensor([0, 17, 39], dtype=torch.int32)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss0, g0 = run()
+    monkeypatch.setenv("K3_SITU", "triton")
+    monkeypatch.setenv("K3_ATTNRES", "triton")
+    loss1, g1 = run()
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-3, atol=1e-3 * g0[n].abs().max().item() + 1e-7, msg=n)
+
+
 def _combine_ref(y, w, idx):
     """The straightforward formulation: per-slot fp32 contributions scattered with index_add."""
     N, k = idx.shape

@@ -1,0 +1,111 @@
+"""Block-AttnRes aggregation, forward and forward+backward, on one GPU: k3's Triton kernels
+(`k3.ops.attn_res`) against the compiled (Inductor) regions the model uses by default and the eager
+PyTorch maths: k3-small's mixes (2-4 candidates of [65536, 1024] bf16) and K3's widest (9 candidates
+of [8192, 7168]).
+
+Prints ms, achieved GB/s (minimal bytes: forward reads n candidates and writes the mix; backward
+reads the output gradient and n candidates and writes n gradients) and the fraction of 4.3 TB/s, and
+the ratio to the Inductor region from the same run. Correctness first: Triton vs float64 on the
+first shape.
+
+Usage: python bench/attn_res.py [--tokens 65536] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+EPS = 1e-5
+
+
+def inputs(n: int, M: int, D: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cands = [(torch.randn(M, D, device="cuda", generator=g) * (1 + i)).to(torch.bfloat16).requires_grad_()
+             for i in range(n)]
+    w_norm = torch.rand(D, device="cuda", generator=g) + 0.5
+    w_proj = torch.randn(1, D, device="cuda", generator=g) * 0.3
+    return cands, w_norm.requires_grad_(), w_proj.requires_grad_()
+
+
+def check(cands, w_norm, w_proj) -> None:
+    from k3.ops.attn_res import attn_res_mix
+    from k3.ops.attn_res.reference import attn_res_reference
+
+    out = attn_res_mix(cands, w_norm, w_proj, EPS)
+    ref = attn_res_reference([c.detach().double() for c in cands], w_norm.detach().double(),
+                             w_proj.detach().double(), EPS)
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    print(f"check ({len(cands)} x {list(cands[0].shape)} bf16): max |out - float64| / max |float64| {err:.2e}")
+    if err > 2 ** -7:
+        raise SystemExit("AttnRes check FAILED")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
+    args = ap.parse_args(argv)
+    from triton.testing import do_bench
+
+    from k3.model.fused import EAGER, Kernels
+    from k3.ops.attn_res import attn_res_mix
+
+    compiled = Kernels(compiled=True)
+    impls = {"k3 triton": lambda c, wn, wp: attn_res_mix(c, wn, wp, EPS),
+             "inductor (default)": lambda c, wn, wp: compiled.attn_res(c, wn, wp, EPS),
+             "eager torch": lambda c, wn, wp: EAGER.attn_res(c, wn, wp, EPS)}
+    shapes = [(2, args.tokens, 1024), (3, args.tokens, 1024), (4, args.tokens, 1024), (9, 8192, 7168)]
+    print(f"# Block-AttnRes mix, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| candidates x [M, D] | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof "
+          "| inductor / impl |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for k, (n, M, D) in enumerate(shapes):
+        cands, w_norm, w_proj = inputs(n, M, D)
+        go = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        if k == 0:
+            check(cands, w_norm, w_proj)
+        fwd_bytes, bwd_bytes = (n + 1) * M * D * 2, (2 * n + 1) * M * D * 2
+        leaves = [*cands, w_norm, w_proj]
+        res = {}
+        for impl, fn in impls.items():
+            fwd = do_bench(lambda fn=fn: fn(cands, w_norm, w_proj), warmup=25, rep=100)
+            both = do_bench(lambda fn=fn: fn(cands, w_norm, w_proj).backward(go), warmup=25, rep=100,
+                            grad_to_none=leaves)
+            res[impl] = (fwd, both)
+        base = res["inductor (default)"][1]
+        for impl, (fwd, both) in res.items():
+            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
+            print(f"| {n} x [{M}, {D}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
+                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        if args.sweep and n == 4:
+            sweep(impls["k3 triton"], cands, w_norm, w_proj, go, fwd_bytes + bwd_bytes)
+    return 0
+
+
+def sweep(fn, cands, w_norm, w_proj, go, nbytes: int) -> None:
+    from triton.testing import do_bench
+
+    print("\n| BM | BD | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
+    for bm, bd, warps in [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8), (4, 1024, 8), (2, 1024, 4),
+                          (16, 128, 4), (32, 128, 8)]:
+        env = {"K3_ATTNRES_BM": str(bm), "K3_ATTNRES_BD": str(bd), "K3_ATTNRES_WARPS": str(warps)}
+        os.environ.update(env)
+        try:
+            ms = do_bench(lambda: fn(cands, w_norm, w_proj).backward(go), warmup=25, rep=100,
+                          grad_to_none=[*cands, w_norm, w_proj])
+            print(f"| {bm} | {bd} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
+        finally:
+            for key in env:
+                os.environ.pop(key)
+    print()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

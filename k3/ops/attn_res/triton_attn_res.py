@@ -1,0 +1,192 @@
+"""Block-AttnRes aggregation as Triton kernels: one program per block of rows, all candidates at once.
+
+Forward: pass 1 reads every candidate row once for its logit (V . w and mean(V^2) in one sweep),
+softmax over the candidates in registers, pass 2 re-reads them (from L2: the program's rows were
+just read) for the weighted sum. Backward: pass 1 gp_i = g . V_i, then the softmax and RMS terms per
+row, pass 2 writes every candidate's gradient and a per-program partial sum of the w gradient
+(summed afterwards in a fixed order: deterministic, no atomics). Compared with the compiled
+elementwise regions this reads each candidate once per direction where those read it two or three
+times (bench/attn_res.py measures both).
+
+Candidates arrive as separate pointers (up to MAXN; each its own dtype, contiguous [M, D]);
+unused slots repeat the first one and are never read.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.triton_utils import cvt
+
+MAXN = 9  # candidates per call: K3's output mix has 8 completed blocks + the running prefix
+TILE = (8, 256, 4)  # rows, columns, warps per program
+
+
+@triton.jit
+def _pick(i: tl.constexpr, C0, C1, C2, C3, C4, C5, C6, C7, C8):
+    """The i-th of nine pointers (i is a compile-time constant: no branch survives)."""
+    if i == 0:
+        p = C0
+    elif i == 1:
+        p = C1
+    elif i == 2:
+        p = C2
+    elif i == 3:
+        p = C3
+    elif i == 4:
+        p = C4
+    elif i == 5:
+        p = C5
+    elif i == 6:
+        p = C6
+    elif i == 7:
+        p = C7
+    else:
+        p = C8
+    return p
+
+
+@triton.jit
+def _column(x, slot, i: tl.constexpr):
+    """Column i of a [BM, NP] tile as [BM]."""
+    return tl.sum(tl.where(slot == i, x, 0.0), 1)
+
+
+@triton.jit
+def _attn_res_fwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, W, OUT, P, R, S, M, D, eps,
+                  N: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_r = rows < M
+    base = rows.to(tl.int64)[:, None] * D
+    slot = tl.arange(0, NP)[None, :]
+    logit = tl.full([BM, NP], float("-inf"), tl.float32)
+    for i in tl.static_range(N):
+        src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
+        s = tl.zeros([BM], tl.float32)
+        q = tl.zeros([BM], tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            m_c = cols < D
+            v = tl.load(src + base + cols[None, :], mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=m_c, other=0.0)
+            s += tl.sum(v * w[None, :], 1)
+            q += tl.sum(v * v, 1)
+        r = 1.0 / tl.sqrt(q / D + eps)
+        tl.store(R + i * M + rows, r, mask=m_r)
+        tl.store(S + i * M + rows, s, mask=m_r)
+        logit = tl.where(slot == i, (s * r)[:, None], logit)
+    e = tl.exp(logit - tl.max(logit, 1)[:, None])  # padding slots: exp(-inf) = 0
+    p = e / tl.sum(e, 1)[:, None]
+    tl.store(P + slot * M + rows[:, None], p, mask=m_r[:, None] & (slot < N))
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        m = m_r[:, None] & (cols < D)[None, :]
+        acc = tl.zeros([BM, BD], tl.float32)
+        for i in tl.static_range(N):
+            src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
+            v = tl.load(src + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += _column(p, slot, i)[:, None] * v
+        tl.store(OUT + base + cols[None, :], cvt(acc, OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6, G7, G8,
+                  GO, W, P, R, S, GWP, M, D,
+                  N: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)
+    m_r = rows < M
+    base = rows.to(tl.int64)[:, None] * D
+    slot = tl.arange(0, NP)[None, :]
+    gp = tl.zeros([BM, NP], tl.float32)
+    for i in tl.static_range(N):
+        src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
+        acc = tl.zeros([BM], tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            m = m_r[:, None] & (cols < D)[None, :]
+            g = tl.load(GO + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            v = tl.load(src + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(g * v, 1)
+        gp = tl.where(slot == i, acc[:, None], gp)
+    pm = m_r[:, None] & (slot < N)
+    p = tl.load(P + slot * M + rows[:, None], mask=pm, other=0.0)
+    r = tl.load(R + slot * M + rows[:, None], mask=pm, other=0.0)
+    s = tl.load(S + slot * M + rows[:, None], mask=pm, other=0.0)
+    glog = p * (gp - tl.sum(p * gp, 1)[:, None])  # softmax backward
+    a = glog * r  # coefficient of w in d logit / d V
+    c = a * s * r * r / D  # coefficient of -V
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        m_c = cols < D
+        m = m_r[:, None] & m_c[None, :]
+        g = tl.load(GO + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=m_c, other=0.0)
+        gw = tl.zeros([BD], tl.float32)
+        for i in tl.static_range(N):
+            src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
+            dst = _pick(i, G0, G1, G2, G3, G4, G5, G6, G7, G8)
+            v = tl.load(src + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            a_i = _column(a, slot, i)[:, None]
+            grad = g * _column(p, slot, i)[:, None] + a_i * w[None, :] - _column(c, slot, i)[:, None] * v
+            tl.store(dst + base + cols[None, :], cvt(grad, dst.dtype.element_ty), mask=m)
+            gw += tl.sum(a_i * v, 0)
+        tl.store(GWP + pid.to(tl.int64) * D + cols, gw, mask=m_c)
+
+
+def tile() -> tuple[int, int, int]:
+    """(rows, columns, warps) per program: TILE, or env K3_ATTNRES_{BM,BD,WARPS} (read per call, so
+    bench/attn_res.py --sweep can time several in one process); powers of two."""
+    out = []
+    for name, default in zip(("BM", "BD", "WARPS"), TILE):
+        v = int(os.environ.get(f"K3_ATTNRES_{name}", default))
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"K3_ATTNRES_{name} must be a power of two, got {v}")
+        out.append(v)
+    return out[0], out[1], out[2]
+
+
+def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(ts) + [ts[0]] * (MAXN - len(ts))
+
+
+class AttnResMix(torch.autograd.Function):
+    """cands: n tensors [..., D] (2 <= n <= MAXN, same shape) -> mix in cands[-1]'s dtype."""
+
+    @staticmethod
+    def forward(ctx, w_norm, w_proj, eps, *cands):  # noqa: ANN001 - autograd signature
+        shape, D = cands[-1].shape, cands[-1].shape[-1]
+        flat = [c.reshape(-1, D).contiguous() for c in cands]
+        M, N = flat[0].shape[0], len(flat)
+        w = (w_norm.float() * w_proj.float().reshape(-1)).contiguous()
+        out = torch.empty(M, D, dtype=cands[-1].dtype, device=w.device)
+        prs = torch.empty(3, N, M, dtype=torch.float32, device=w.device)
+        bm, bd, warps = tile()
+        bd = min(bd, triton.next_power_of_2(D))
+        _attn_res_fwd[(triton.cdiv(M, bm),)](*_slots(flat), w, out, prs[0], prs[1], prs[2], M, D, eps,
+                                               N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm, BD=bd,
+                                               num_warps=warps)
+        ctx.save_for_backward(w_norm, w_proj, w, prs, *flat)
+        ctx.shapes = [c.shape for c in cands]
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, go):  # noqa: ANN001
+        w_norm, w_proj, w, prs, *flat = ctx.saved_tensors
+        (M, D), N = flat[0].shape, len(flat)
+        grads = [torch.empty_like(c) for c in flat]
+        bm, bd, warps = tile()
+        bd = min(bd, triton.next_power_of_2(D))
+        programs = triton.cdiv(M, bm)
+        gwp = torch.empty(programs, D, dtype=torch.float32, device=w.device)
+        _attn_res_bwd[(programs,)](*_slots(flat), *_slots(grads), go.reshape(M, D).contiguous(), w,
+                                   prs[0], prs[1], prs[2], gwp, M, D,
+                                   N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm, BD=bd, num_warps=warps)
+        gw = gwp.sum(0)
+        g_norm = (gw * w_proj.float().reshape(-1)).to(w_norm.dtype).reshape(w_norm.shape)
+        g_proj = (gw * w_norm.float()).to(w_proj.dtype).reshape(w_proj.shape)
+        return (g_norm, g_proj, None, *[g.view(s) for g, s in zip(grads, ctx.shapes)])
