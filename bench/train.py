@@ -35,13 +35,16 @@ ROOFLINE_BF16 = 790e12  # measured H200 bf16 matmul ceiling
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet peak (torchtitan / Megatron MFU convention)
 
 
-def flops_per_token(model: K3ForCausalLM, seq_len: int) -> float:
+def flops_per_token(model: K3ForCausalLM, seq_len: int, doc_lens: list[int] | None = None) -> float:
+    """Training FLOPs per token; with doc_lens (packed documents) MLA attends within each document: the
+    causal average context is sum(len^2) / 2 / sum(len) instead of seq_len / 2."""
     tc = model.config.text_config
     _, active = model.num_parameters()
     fwd = 2.0 * active
+    context = seq_len / 2 if not doc_lens else sum(n * n for n in doc_lens) / 2 / sum(doc_lens)
     for i in range(tc.num_hidden_layers):
         if tc.is_mla(i):
-            fwd += 2 * tc.num_attention_heads * (tc.qk_head_dim + tc.v_head_dim) * seq_len / 2
+            fwd += 2 * tc.num_attention_heads * (tc.qk_head_dim + tc.v_head_dim) * context
         else:
             H, K, C = tc.kda_num_heads, tc.kda_head_dim, 64
             fwd += H * (6 * K * K + 3 * C * K + C * C)
@@ -53,11 +56,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def document_offsets(rows: int, seq_len: int, mean_len: int, seed: int = 0) -> torch.Tensor:
+    """cu_seqlens of packed rows holding documents of random lengths (exponential, mean `mean_len`, at
+    least 1 token), cut at every row end as the trainer packs them."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = [0]
+    for r in range(rows):
+        pos, end = r * seq_len, (r + 1) * seq_len
+        while pos < end:
+            n = max(1, int(torch.empty(1).exponential_(1.0 / mean_len, generator=g)))
+            pos = min(end, pos + n)
+            cuts.append(pos)
+    return torch.tensor(cuts, dtype=torch.int32)
+
+
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,
-          embed: str = "bf16", situ: str = "inductor", attnres: str = "inductor") -> dict:
+          embed: str = "bf16", situ: str = "inductor", attnres: str = "inductor", doc_mean: int = 0) -> dict:
     """One optimizer step = `accum` forward/backward passes of `tokens` tokens each; embed: the dtype
     the token embeddings enter the residual stream in under autocast ("bf16" = k3's default,
-    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); situ: the SiTU-GLU implementation (env K3_SITU); attnres: the Block-AttnRes one (env K3_ATTNRES)."""
+    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); situ: the SiTU-GLU implementation (env K3_SITU); attnres: the Block-AttnRes one (env K3_ATTNRES); doc_mean > 0: documents of random lengths (that mean) in the rows."""
     model.set_kda_backend(backend)
     model.model.fp32_embeddings = embed == "fp32"
     os.environ["K3_SITU"], os.environ["K3_ATTNRES"] = situ, attnres
@@ -65,6 +82,9 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * seq_len + 1), device=device)
     cu = torch.arange(0, B * seq_len + 1, seq_len, dtype=torch.int32)  # host offsets, as the trainer passes
+    if doc_mean:
+        cu = document_offsets(B, seq_len, doc_mean)
+    doc_lens = (cu[1:] - cu[:-1]).tolist()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     step_t, opt_t = [], []
     for i in range(steps + 2):  # two warm-up steps
@@ -86,8 +106,8 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     step = sorted(step_t)[len(step_t) // 2]
     muon = sorted(opt_t)[len(opt_t) // 2]
     tok_s = accum * B * seq_len / step
-    tflops = tok_s * flops_per_token(model, seq_len) / 1e12
-    return {"backend": backend, "embed": embed, "situ": situ, "attnres": attnres, "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
+    tflops = tok_s * flops_per_token(model, seq_len, doc_lens) / 1e12
+    return {"backend": backend, "embed": embed, "situ": situ, "attnres": attnres, "docs": len(doc_lens), "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
             "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "mfu_peak": tflops * 1e12 / PEAK_BF16, "opt_share": muon / step}
 
 
@@ -125,6 +145,9 @@ def main() -> None:
                     help="comma-separated SiTU-GLU implementations (env K3_SITU): inductor (default), triton")
     ap.add_argument("--attnres", default="inductor",
                     help="comma-separated Block-AttnRes implementations (env K3_ATTNRES): inductor (default), triton")
+    ap.add_argument("--doc-mean", type=int, default=0,
+                    help="documents of random lengths with this mean (tokens) packed in the rows, as real corpora "
+                         "give (MLA then attends per document; FLOPs counted per document); 0 = one per row")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
     args = ap.parse_args()
@@ -144,13 +167,13 @@ def main() -> None:
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
           f"{tokens} tokens per micro-batch; median of {args.steps} steps; "
           f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
-    print("| KDA backend | embeddings | SiTU | AttnRes | T | B | micro-batches | step ms | tokens/s | TFLOP/s | MFU (790) | MFU (989) | optimizer share |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| KDA backend | embeddings | SiTU | AttnRes | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s | MFU (790) | MFU (989) | optimizer share |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",")
             for v in _variants(args.embed_dtype, args.situ, args.attnres)]
     for T, be, accum, res, situ, ar in runs:
-        r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar)
-        print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['attnres']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+        r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar, args.doc_mean)
+        print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['attnres']} | {r['docs']} | {r['T']} | {r['B']} | {r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
               f"{r['tflops']:.1f} | {r['mfu']:.1%} | {r['mfu_peak']:.1%} | {r['opt_share']:.1%} |", flush=True)
 
 

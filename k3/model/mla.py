@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -89,6 +92,11 @@ class GatedMLA(nn.Module):
             q, k, v = (t.reshape(layout.num_seqs, tmax, *t.shape[2:]).transpose(1, 2) for t in (q, k, v))
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale).transpose(1, 2)
             return o.reshape(1, layout.num_seqs * tmax, *o.shape[2:])
+        if layout.cu_seqlens is not None and _use_varlen(q):
+            # Documents of any lengths on the GPU: flash attention over the packed row, sum of len^2 work
+            # (re-padding costs N * Tmax^2 and a dense mask total^2, both far more on real corpora).
+            cu = layout.cu_seqlens.to(q.device, torch.int32)
+            return varlen_causal(q[0], k[0], v[0], cu, tmax, self.scale)[None]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, *]
         if layout.cu_seqlens is None:
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale)
@@ -180,6 +188,41 @@ class GatedMLA(nn.Module):
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk.float())
         o_lat = paged_mla_decode(q_lat, q_pe, pages, tables, lens, self.scale)
         return torch.einsum("nhr,hvr->nhv", o_lat, w_uv.float()).to(q.dtype)[:, None]
+
+
+def _load_varlen() -> tuple[Callable | None, dict]:
+    """torch.nn.attention.varlen.varlen_attn (flash attention over cu_seqlens) when this torch has it, and
+    its causal keyword: torch spelt it `is_causal=True` before it took `window_size=(-1, 0)`."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, {}
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn, ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+
+
+_VARLEN_ATTN, _VARLEN_CAUSAL = _load_varlen()
+
+
+def _use_varlen(q: torch.Tensor) -> bool:
+    return _VARLEN_ATTN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float) -> torch.Tensor:
+    """Causal attention within each document of a packed row (flash attention, varlen).
+
+    q, k: [total, H, Dqk]; v: [total, H, Dv] (Dv <= Dqk: flash attention takes one head size, so v is
+    zero-padded to Dqk and the output sliced back); cu: int32 [N + 1] document offsets; max_len: the
+    longest document. Returns [total, H, Dv] in q's dtype.
+    """
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv > dqk:
+        raise ValueError(f"varlen_causal: value head size {dv} > query/key head size {dqk}")
+    if dv < dqk:
+        v = F.pad(v, (0, dqk - dv))
+    o = _VARLEN_ATTN(q, k, v, cu, cu, max_len, max_len, scale=scale, **_VARLEN_CAUSAL)
+    return o[..., :dv]
 
 
 def _sdpa(q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:

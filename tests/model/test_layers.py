@@ -1,5 +1,6 @@
 """The facts that are easy to get wrong, one test each."""
 
+import pytest
 import torch
 
 from k3.config import k3_tiny, kimi_k3
@@ -185,3 +186,79 @@ def test_seq_layout_keeps_host_offsets():
     assert rows.cu_seqlens_cpu is None and rows.max_new() == 5 and rows.total_new() == 10
     t = torch.arange(4)
     assert to_device_async(t, "cpu") is t
+
+
+def _fake_varlen(causal_kw: str):
+    """A CPU stand-in with torch's varlen_attn contract (one head size for q, k, v, as flash attention
+    takes; int32 offsets; the longest document as max length): per-document causal SDPA."""
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, **kw):
+        assert kw == ({"window_size": (-1, 0)} if causal_kw == "window_size" else {"is_causal": True})
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1] and cu_q.dtype == torch.int32 and cu_q is cu_k
+        lens = (cu_q[1:] - cu_q[:-1]).tolist()
+        assert max_q == max_k == max(lens)
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale).transpose(0, 1)
+            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]
+        return torch.cat(outs)
+
+    return fn
+
+
+@pytest.mark.parametrize("causal_kw", ["window_size", "is_causal"])
+def test_mla_varlen_path_equals_the_padded_path(monkeypatch, causal_kw):
+    """Documents of unequal lengths go to flash varlen attention on the GPU (value zero-padded to the q/k
+    head size, output sliced back); against a stand-in with varlen_attn's contract the layer's output and
+    gradients equal the re-padded SDPA path's (both torch spellings of causality)."""
+    import k3.model.mla as mla_mod
+
+    torch.manual_seed(0)
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, layer_idx=3)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    cu = torch.tensor([0, 5, 6, 19, 27], dtype=torch.int32)
+    layout = SeqLayout.build(1, 27, cu, None, torch.device("cpu"))
+    x = torch.randn(1, 27, cfg.hidden_size)
+
+    def run():
+        mla.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = mla(xi, layout)
+        out.backward(torch.ones_like(out))
+        return out.detach(), xi.grad, {n: p.grad.clone() for n, p in mla.named_parameters()}
+
+    want = run()
+    monkeypatch.setattr(mla_mod, "_VARLEN_ATTN", _fake_varlen(causal_kw))
+    monkeypatch.setattr(mla_mod, "_VARLEN_CAUSAL", {"window_size": (-1, 0)} if causal_kw == "window_size"
+                        else {"is_causal": True})
+    monkeypatch.setattr(mla_mod, "_use_varlen", lambda q: True)
+    got = run()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.gpu
+def test_mla_varlen_flash_matches_padded_on_gpu(monkeypatch):
+    """The real flash varlen kernel (bf16, CUDA) against the re-padded SDPA path: output and gradients."""
+    import k3.model.mla as mla_mod
+
+    torch.manual_seed(0)
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, layer_idx=3).cuda()
+    cu = torch.tensor([0, 700, 701, 2048, 3011, 4096], dtype=torch.int32)
+    layout = SeqLayout.build(1, 4096, cu, None, torch.device("cuda"))  # host offsets, as the trainer passes
+    x = torch.randn(1, 4096, cfg.hidden_size, device="cuda")
+    results = []
+    for varlen in (True, False):
+        monkeypatch.setattr(mla_mod, "_use_varlen", (lambda q: True) if varlen else (lambda q: False))
+        mla.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = mla(xi, layout)
+        out.float().square().mean().backward()
+        results.append((out.float(), xi.grad, mla.kv_b_proj.weight.grad))
+    for a, b in zip(*results):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
