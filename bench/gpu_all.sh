@@ -40,7 +40,8 @@ for s in $sections; do
       python bench/kda.py --quick --sections train,decode 2>&1 | quiet > "$OUT/kda.txt"
       grep -E "^\|" "$OUT/kda.txt" ;;
     trainprof)  # where a compiled k3-small training step spends its time
-      python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host --by-shape 2>&1 | quiet \
+      { python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host --by-shape
+        python bench/profile_step.py --phases train --compile --rows 25 --tokens 65536 --doc-mean 1500; } 2>&1 | quiet \
         > "$OUT/trainprof.txt"
       grep -E "^## " "$OUT/trainprof.txt" ;;
     kdafla)  # k3 vs fla training rows in one process; fla's autotune results are kept (TRITON_CACHE_AUTOTUNING)

@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=None, help="prefill phase: cached shared prefix (default 10240)")
     ap.add_argument("--new-len", type=int, default=None, help="prefill phase: new tokens per request (default 730)")
     ap.add_argument("--compile", action="store_true", help="compiled elementwise regions (training and decode)")
+    ap.add_argument("--doc-mean", type=int, default=0,
+                    help="train phase: documents of random lengths with this mean packed in the rows (0 = one per row)")
     ap.add_argument("--by-shape", action="store_true", help="also a table grouped by operator input shapes")
     ap.add_argument("--host", action="store_true", help="also a table sorted by host (CPU) self time")
     ap.add_argument("--trace", default=None, help="folder for a Chrome trace (.json) of each phase")
@@ -113,6 +115,10 @@ def main() -> None:
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * T + 1), device=device)
     cu = torch.arange(0, B * T + 1, T, dtype=torch.int32)  # host offsets, as the trainer passes
+    if args.doc_mean:  # documents of random lengths, as a real corpus packs them
+        from bench.train import document_offsets
+
+        cu = document_offsets(B, T, args.doc_mean)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     phases = args.phases.split(",")
 
@@ -122,7 +128,7 @@ def main() -> None:
         loss.backward()
 
     if "train" in phases:
-        profile_phase(f"{preset} forward+backward, {B}x{T} tokens", fwd_bwd, device, args.rows, args.by_shape,
+        profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device, args.rows, args.by_shape,
                       args.host, _trace_path(args.trace, "train"))
     if "optim" in phases:
         fwd_bwd()
