@@ -149,7 +149,7 @@ class QuantileBalancer:
         tokens = buf[L * E * (S + 1) :]
         return counts, loads, tokens
 
-    @torch.compiler.disable  # a compiled model calls it eagerly instead of breaking on bincount
+    @torch.compiler.disable  # a compiled model calls it eagerly (the histogram update stays one eager region)
     @torch.no_grad()
     def observe(self, layer_idx: int, scores: Tensor, bias: Tensor) -> None:
         """Add one routed batch of a layer to this step's histograms.
@@ -169,8 +169,10 @@ class QuantileBalancer:
         counts, loads, tokens = self._views(buf)
         u, picks = biased_margins(scores.to(buf.device), bias.detach().to(buf.device), self.top_k)
         flat = self.bin_index(u) + torch.arange(E, device=buf.device) * self._slots()
-        counts[layer_idx] += torch.bincount(flat.flatten(), minlength=E * self._slots()).view(E, -1)
-        loads[layer_idx] += torch.bincount(picks.flatten(), minlength=E)
+        # index_add_, not bincount: on CUDA bincount reads the largest index back to the host, a stall of
+        # the GPU queue in every MoE layer of every forward (integer adds: deterministic all the same)
+        counts[layer_idx].view(-1).index_add_(0, flat.flatten(), torch.ones_like(flat).flatten())
+        loads[layer_idx].index_add_(0, picks.flatten(), torch.ones_like(picks).flatten())
         tokens[layer_idx] += scores.shape[0]
 
     # ---- the update ---------------------------------------------------------------------

@@ -139,11 +139,23 @@ def test_compiled_equals_eager_on_cuda_bf16():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_training_step_never_reads_the_gpu_back(compiled: bool):
     """With host cu_seqlens (what the trainer passes) a packed varlen forward+backward of the training
-    configuration (bf16 autocast, Triton KDA, MLA padded path) launches work only: every device-to-host
-    read stalls the GPU queue, and a training step used to make ~30 of them (KDA checks, chunk
-    bookkeeping, MLA's longest document)."""
+    configuration (bf16 autocast, Triton KDA, MLA flash varlen path, Quantile-Balancing observers on
+    every router, as `k3 train` attaches them) launches work only: every device-to-host read stalls the
+    GPU queue, and a training step used to make ~30 of them (KDA checks, chunk bookkeeping, MLA's
+    longest document) plus two per MoE layer (the balancer's histograms used bincount)."""
+    import functools
+
+    from k3.optim.quantile_balance import QuantileBalancer
+
     torch.manual_seed(0)
     m = K3ForCausalLM(k3_tiny()).init_weights(seed=0).cuda().set_kda_backend("triton")
+    m.train()
+    tc = m.config.text_config
+    qb = QuantileBalancer(num_layers=tc.num_hidden_layers, num_experts=tc.num_experts,
+                          top_k=tc.num_experts_per_token, bins=64)
+    for i, layer in enumerate(m.model.layers):
+        if hasattr(layer, "block_sparse_moe"):
+            layer.block_sparse_moe.gate.score_observer = functools.partial(qb.observe, i)
     if compiled:
         compile_model(m)
     ids = torch.randint(0, 4096, (1, 1024 + 1), device="cuda")
