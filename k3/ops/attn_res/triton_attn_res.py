@@ -63,25 +63,25 @@ def _attn_res_fwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, W, OUT, P, R, S, M, D, eps
     m_r = rows < M
     base = rows.to(tl.int64)[:, None] * D
     slot = tl.arange(0, NP)[None, :]
-    logit = tl.full([BM, NP], float("-inf"), tl.float32)
-    for i in tl.static_range(N):
-        src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
-        s = tl.zeros([BM], tl.float32)
-        q = tl.zeros([BM], tl.float32)
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            m_c = cols < D
+    s = tl.zeros([BM, NP], tl.float32)  # V_i . w per row (column i)
+    q = tl.zeros([BM, NP], tl.float32)  # sum of V_i^2 per row
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        m_c = cols < D
+        w = tl.load(W + cols, mask=m_c, other=0.0)
+        for i in tl.static_range(N):
+            src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
             v = tl.load(src + base + cols[None, :], mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
-            w = tl.load(W + cols, mask=m_c, other=0.0)
-            s += tl.sum(v * w[None, :], 1)
-            q += tl.sum(v * v, 1)
-        r = 1.0 / tl.sqrt(q / D + eps)
-        tl.store(R + i * M + rows, r, mask=m_r)
-        tl.store(S + i * M + rows, s, mask=m_r)
-        logit = tl.where(slot == i, (s * r)[:, None], logit)
+            s += tl.where(slot == i, tl.sum(v * w[None, :], 1)[:, None], 0.0)
+            q += tl.where(slot == i, tl.sum(v * v, 1)[:, None], 0.0)
+    pm = m_r[:, None] & (slot < N)
+    r = 1.0 / tl.sqrt(q / D + eps)
+    logit = tl.where(slot < N, s * r, float("-inf"))
     e = tl.exp(logit - tl.max(logit, 1)[:, None])  # padding slots: exp(-inf) = 0
     p = e / tl.sum(e, 1)[:, None]
-    tl.store(P + slot * M + rows[:, None], p, mask=m_r[:, None] & (slot < N))
+    tl.store(P + slot * M + rows[:, None], p, mask=pm)
+    tl.store(R + slot * M + rows[:, None], r, mask=pm)
+    tl.store(S + slot * M + rows[:, None], s, mask=pm)
     for d0 in range(0, D, BD):
         cols = d0 + tl.arange(0, BD)
         m = m_r[:, None] & (cols < D)[None, :]
@@ -102,17 +102,15 @@ def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6
     m_r = rows < M
     base = rows.to(tl.int64)[:, None] * D
     slot = tl.arange(0, NP)[None, :]
-    gp = tl.zeros([BM, NP], tl.float32)
-    for i in tl.static_range(N):
-        src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
-        acc = tl.zeros([BM], tl.float32)
-        for d0 in range(0, D, BD):
-            cols = d0 + tl.arange(0, BD)
-            m = m_r[:, None] & (cols < D)[None, :]
-            g = tl.load(GO + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    gp = tl.zeros([BM, NP], tl.float32)  # g . V_i per row (column i)
+    for d0 in range(0, D, BD):
+        cols = d0 + tl.arange(0, BD)
+        m = m_r[:, None] & (cols < D)[None, :]
+        g = tl.load(GO + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        for i in tl.static_range(N):
+            src = _pick(i, C0, C1, C2, C3, C4, C5, C6, C7, C8)
             v = tl.load(src + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += tl.sum(g * v, 1)
-        gp = tl.where(slot == i, acc[:, None], gp)
+            gp += tl.where(slot == i, tl.sum(g * v, 1)[:, None], 0.0)
     pm = m_r[:, None] & (slot < N)
     p = tl.load(P + slot * M + rows[:, None], mask=pm, other=0.0)
     r = tl.load(R + slot * M + rows[:, None], mask=pm, other=0.0)
