@@ -9,6 +9,7 @@ the ratio to the Inductor region from the same run. Correctness first: Triton vs
 first shape.
 
 Usage: python bench/attn_res.py [--tokens 65536] [--sweep]
+       python bench/attn_res.py --tiny --device cpu     # smoke run under the Triton interpreter
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 EPS = 1e-5
 
 
-def inputs(n: int, M: int, D: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    cands = [(torch.randn(M, D, device="cuda", generator=g) * (1 + i)).to(torch.bfloat16).requires_grad_()
+def inputs(n: int, M: int, D: int, device: str, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    cands = [(torch.randn(M, D, device=device, generator=g) * (1 + i)).to(torch.bfloat16).requires_grad_()
              for i in range(n)]
-    w_norm = torch.rand(D, device="cuda", generator=g) + 0.5
-    w_proj = torch.randn(1, D, device="cuda", generator=g) * 0.3
+    w_norm = torch.rand(D, device=device, generator=g) + 0.5
+    w_proj = torch.randn(1, D, device=device, generator=g) * 0.3
     return cands, w_norm.requires_grad_(), w_proj.requires_grad_()
 
 
@@ -51,33 +52,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="small shapes (smoke run; on the CPU with TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    from triton.testing import do_bench
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    from bench.situ import timer
 
+    bench = timer(args.device)
     from k3.model.fused import EAGER, Kernels
     from k3.ops.attn_res import attn_res_mix
 
-    compiled = Kernels(compiled=True)
+    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     impls = {"k3 triton": lambda c, wn, wp: attn_res_mix(c, wn, wp, EPS),
              "inductor (default)": lambda c, wn, wp: compiled.attn_res(c, wn, wp, EPS),
              "eager torch": lambda c, wn, wp: EAGER.attn_res(c, wn, wp, EPS)}
     shapes = [(2, args.tokens, 1024), (3, args.tokens, 1024), (4, args.tokens, 1024), (9, 8192, 7168)]
-    print(f"# Block-AttnRes mix, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.tiny:
+        shapes = [(2, 33, 96), (4, 17, 300)]
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    print(f"# Block-AttnRes mix, bf16, {name}, torch {torch.__version__}")
     print("| candidates x [M, D] | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof "
           "| inductor / impl |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for k, (n, M, D) in enumerate(shapes):
-        cands, w_norm, w_proj = inputs(n, M, D)
-        go = torch.randn(M, D, device="cuda", dtype=torch.bfloat16)
+        cands, w_norm, w_proj = inputs(n, M, D, args.device)
+        go = torch.randn(M, D, device=args.device, dtype=torch.bfloat16)
         if k == 0:
             check(cands, w_norm, w_proj)
         fwd_bytes, bwd_bytes = (n + 1) * M * D * 2, (2 * n + 1) * M * D * 2
         leaves = [*cands, w_norm, w_proj]
         res = {}
         for impl, fn in impls.items():
-            fwd = do_bench(lambda fn=fn: fn(cands, w_norm, w_proj), warmup=25, rep=100)
-            both = do_bench(lambda fn=fn: fn(cands, w_norm, w_proj).backward(go), warmup=25, rep=100,
-                            grad_to_none=leaves)
+            fwd = bench(lambda fn=fn: fn(cands, w_norm, w_proj))
+            both = bench(lambda fn=fn: fn(cands, w_norm, w_proj).backward(go), grad_to_none=leaves)
             res[impl] = (fwd, both)
         base = res["inductor (default)"][1]
         for impl, (fwd, both) in res.items():
@@ -85,21 +93,18 @@ def main(argv=None) -> int:
             print(f"| {n} x [{M}, {D}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
                   f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
         if args.sweep and n == 4:
-            sweep(impls["k3 triton"], cands, w_norm, w_proj, go, fwd_bytes + bwd_bytes)
+            sweep(impls["k3 triton"], cands, w_norm, w_proj, go, fwd_bytes + bwd_bytes, bench)
     return 0
 
 
-def sweep(fn, cands, w_norm, w_proj, go, nbytes: int) -> None:
-    from triton.testing import do_bench
-
+def sweep(fn, cands, w_norm, w_proj, go, nbytes: int, bench) -> None:  # noqa: ANN001
     print("\n| BM | BD | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
     for bm, bd, warps in [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8), (4, 1024, 8), (2, 1024, 4),
                           (16, 128, 4), (32, 128, 8)]:
         env = {"K3_ATTNRES_BM": str(bm), "K3_ATTNRES_BD": str(bd), "K3_ATTNRES_WARPS": str(warps)}
         os.environ.update(env)
         try:
-            ms = do_bench(lambda: fn(cands, w_norm, w_proj).backward(go), warmup=25, rep=100,
-                          grad_to_none=[*cands, w_norm, w_proj])
+            ms = bench(lambda: fn(cands, w_norm, w_proj).backward(go), grad_to_none=[*cands, w_norm, w_proj])
             print(f"| {bm} | {bd} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
         finally:
             for key in env:

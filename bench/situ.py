@@ -8,6 +8,7 @@ ratio to the Inductor region from the same run. Correctness first: the Triton ou
 float64 maths and the bf16 torch maths on the first shape.
 
 Usage: python bench/situ.py [--tokens 65536] [--sweep]
+       python bench/situ.py --tiny --device cpu     # smoke run under the Triton interpreter
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ BETA, BETA_LIN = 4.0, 25.0
 def shapes(tokens: int) -> list[tuple[str, int, int]]:
     """(name, rows M, I) of k3-small's SiTU-GLUs: routed experts (top-8), dense layer 0, shared expert."""
     return [("routed experts", tokens * 8, 512), ("dense layer 0", tokens, 4096), ("shared expert", tokens, 512)]
+
+
+def timer(device: str):
+    """triton's do_bench on CUDA; on the CPU (smoke runs) the mean of three wall-clock runs."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn, grad_to_none=None: do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
+
+    def cpu(fn, grad_to_none=None):
+        import time
+
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3 * 1e3
+
+    return cpu
 
 
 def check(ab: torch.Tensor) -> None:
@@ -49,30 +68,36 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="64 tokens (smoke run; on the CPU with TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
-    from triton.testing import do_bench
-
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    if args.tiny:
+        args.tokens = 64
+    bench = timer(args.device)
     from k3.model.fused import EAGER, Kernels
     from k3.ops.situ import situ_glu
 
-    compiled = Kernels(compiled=True)
+    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     impls = {"k3 triton": lambda ab: situ_glu(ab, BETA, BETA_LIN),
              "inductor (default)": lambda ab: compiled.glu_packed(ab, "situ", BETA, BETA_LIN),
              "eager torch": lambda ab: EAGER.glu_packed(ab, "situ", BETA, BETA_LIN)}
-    print(f"# SiTU-GLU, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    print(f"# SiTU-GLU, bf16, {name}, torch {torch.__version__}")
     print("| shape | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | inductor / impl |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for i, (name, M, I) in enumerate(shapes(args.tokens)):
         torch.manual_seed(0)
-        ab = (torch.randn(M, 2 * I, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
-        go = torch.randn(M, I, device="cuda", dtype=torch.bfloat16)
+        ab = (torch.randn(M, 2 * I, device=args.device) * 3).to(torch.bfloat16).requires_grad_()
+        go = torch.randn(M, I, device=args.device, dtype=torch.bfloat16)
         if i == 0:
             check(ab.detach())
         fwd_bytes, bwd_bytes = M * 3 * I * 2, M * 5 * I * 2
         res = {}
         for impl, fn in impls.items():
-            fwd = do_bench(lambda fn=fn: fn(ab), warmup=25, rep=100)
-            both = do_bench(lambda fn=fn: fn(ab).backward(go), warmup=25, rep=100, grad_to_none=[ab])
+            fwd = bench(lambda fn=fn: fn(ab))
+            both = bench(lambda fn=fn: fn(ab).backward(go), grad_to_none=[ab])
             res[impl] = (fwd, both)
         base = res["inductor (default)"][1]
         for impl, (fwd, both) in res.items():
@@ -80,20 +105,18 @@ def main(argv=None) -> int:
             print(f"| {name} [{M}, {2 * I}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
                   f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
         if args.sweep and i == 0:
-            sweep(impls["k3 triton"], ab, go, fwd_bytes + bwd_bytes)
+            sweep(impls["k3 triton"], ab, go, fwd_bytes + bwd_bytes, bench)
     return 0
 
 
-def sweep(fn, ab: torch.Tensor, go: torch.Tensor, nbytes: int) -> None:
-    from triton.testing import do_bench
-
+def sweep(fn, ab: torch.Tensor, go: torch.Tensor, nbytes: int, bench) -> None:  # noqa: ANN001
     print("\n| BM | BI | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
     for bm, bi, warps in [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (32, 128, 4),
                           (64, 256, 16)]:
         env = {"K3_SITU_BM": str(bm), "K3_SITU_BI": str(bi), "K3_SITU_WARPS": str(warps)}
         os.environ.update(env)
         try:
-            ms = do_bench(lambda: fn(ab).backward(go), warmup=25, rep=100, grad_to_none=[ab])
+            ms = bench(lambda: fn(ab).backward(go), grad_to_none=[ab])
             print(f"| {bm} | {bi} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
         finally:
             for k in env:

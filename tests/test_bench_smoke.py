@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,3 +30,13 @@ def test_bench_mla_decode_cpu():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| 2 | 20 | mixed | " in r.stdout
+
+
+@pytest.mark.parametrize("script,header", [("situ.py", "| routed experts [512, 1024] | k3 triton |"),
+                                           ("attn_res.py", "| 4 x [17, 300] | k3 triton |")])
+def test_bench_triton_regions_cpu(script, header):
+    """bench/situ.py and bench/attn_res.py: correctness check and table, Triton under the interpreter."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "check (" in r.stdout and header in r.stdout
