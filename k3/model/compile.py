@@ -11,8 +11,9 @@ eager mode, and need no graph breaks.
     compile_model(model)                        # Inductor, default mode
     compile_model(model, backend="aot_eager")   # tracing only (tests, debugging)
 
-Compilation happens lazily on the first forward/backward. Shapes that change (e.g. validation at
-another batch size) recompile once and are then treated as dynamic. Serving (`k3 serve --compile`)
+Compilation happens lazily on the first forward/backward. By default shapes that change recompile
+once and are then treated as dynamic; `dynamic=False` (what `k3 train` uses) compiles each distinct
+shape for its size, so the training kernels stay the ones `bench/train.py` measures. Serving (`k3 serve --compile`)
 uses it too: the CUDA-graph decode buckets have fixed shapes, so the compiled kernels are captured in
 the graphs.
 """
@@ -38,15 +39,17 @@ def _raise_recompile_limit() -> None:
             setattr(cfg, name, RECOMPILE_LIMIT)
 
 
-def compile_model(model: nn.Module, *, backend: str | Callable = "inductor", mode: str | None = None) -> nn.Module:
+def compile_model(model: nn.Module, *, backend: str | Callable = "inductor", mode: str | None = None,
+                  dynamic: bool | None = None) -> nn.Module:
     """Switch every K3 module of `model` (in place) to compiled elementwise regions; returns `model`.
 
-    backend / mode: as for ``torch.compile`` (mode only with Inductor). All modules share one
-    compiled table. :func:`uncompile_model` switches back to eager."""
+    backend / mode / dynamic: as for ``torch.compile`` (mode only with Inductor; the trainer passes
+    dynamic=False so that validation batches never turn the training kernels dynamic). All modules
+    share one compiled table. :func:`uncompile_model` switches back to eager."""
     if mode is not None and backend != "inductor":
         raise ValueError(f"mode={mode!r} needs backend='inductor', got backend={backend!r}")
     _raise_recompile_limit()
-    kernels = Kernels(compiled=True, backend=backend, mode=mode)
+    kernels = Kernels(compiled=True, backend=backend, mode=mode, dynamic=dynamic)
     return _set_kernels(model, kernels)
 
 

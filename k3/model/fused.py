@@ -366,12 +366,19 @@ class Kernels:
     ``torch.compile(fullgraph=True, backend=backend, mode=mode)``.
     """
 
-    def __init__(self, compiled: bool = False, backend: str | Callable = "inductor", mode: str | None = None) -> None:
+    def __init__(self, compiled: bool = False, backend: str | Callable = "inductor", mode: str | None = None,
+                 dynamic: bool | None = None) -> None:
+        """dynamic: as for torch.compile: None recompiles a region once with dynamic shapes when its shapes
+        change (serving: every prefill length differs), False specialises every shape (training: a
+        handful of fixed micro-batch / validation shapes, each compiled for its size)."""
         self.compiled = compiled
 
         opts: dict[str, Any] = {"fullgraph": True, "backend": backend}
         if mode is not None:
             opts["mode"] = mode
+        if dynamic is not None:
+            opts["dynamic"] = dynamic
+        self.options = dict(opts) if compiled else {}
 
         def wrap(fn: Callable) -> Callable:
             return torch.compile(fn, **opts) if compiled else fn

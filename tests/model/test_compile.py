@@ -72,6 +72,19 @@ def test_inductor_region_equals_eager():
     torch.testing.assert_close(b1.grad, b2.grad, **FP32)
 
 
+def test_static_shapes_option_recompiles_per_shape():
+    """dynamic=False (the trainer's choice) reaches torch.compile, and a second shape (a validation batch)
+    compiles a specialised variant that computes the same values."""
+    m = compile_model(_model(), backend="aot_eager", dynamic=False)
+    kern = next(mod.kernels for mod in m.modules() if hasattr(mod, "kernels"))
+    assert kern.options["dynamic"] is False and Kernels(compiled=True).options.get("dynamic") is None
+    batches = [torch.randint(0, 4096, (1, T + 1)) for T in (17, 29)]
+    got = [_loss_and_grads(m, ids, None) for ids in batches]
+    uncompile_model(m)
+    for ids, g in zip(batches, got):
+        torch.testing.assert_close(g["loss"], _loss_and_grads(m, ids, None)["loss"], **FP32)
+
+
 def test_compile_model_errors():
     with pytest.raises(ValueError, match="no K3 module"):
         compile_model(torch.nn.Linear(2, 2), backend="aot_eager")
