@@ -2,6 +2,7 @@
 
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
+`env_tile` reads a kernel's program-tile knobs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ import triton
 import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def env_tile(prefix: str, names: tuple[str, ...], defaults: tuple[int, ...]) -> tuple[int, ...]:
+    """Program-tile sizes: `defaults`, each overridden by env `{prefix}_{name}` (read per call, so a
+    benchmark can sweep them in one process); every value must be a power of two."""
+    out = []
+    for name, default in zip(names, defaults):
+        v = int(os.environ.get(f"{prefix}_{name}", default))
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{prefix}_{name} must be a power of two, got {v}")
+        out.append(v)
+    return tuple(out)
 
 
 @triton.jit

@@ -14,13 +14,11 @@ unused slots repeat the first one and are never read.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt
+from k3.ops.triton_utils import cvt, env_tile
 
 MAXN = 9  # candidates per call: K3's output mix has 8 completed blocks + the running prefix
 TILE = (8, 256, 4)  # rows, columns, warps per program
@@ -136,16 +134,10 @@ def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6
         tl.store(GWP + pid.to(tl.int64) * D + cols, gw, mask=m_c)
 
 
-def tile() -> tuple[int, int, int]:
+def tile() -> tuple[int, ...]:
     """(rows, columns, warps) per program: TILE, or env K3_ATTNRES_{BM,BD,WARPS} (read per call, so
     bench/attn_res.py --sweep can time several in one process); powers of two."""
-    out = []
-    for name, default in zip(("BM", "BD", "WARPS"), TILE):
-        v = int(os.environ.get(f"K3_ATTNRES_{name}", default))
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"K3_ATTNRES_{name} must be a power of two, got {v}")
-        out.append(v)
-    return out[0], out[1], out[2]
+    return env_tile("K3_ATTNRES", ("BM", "BD", "WARPS"), TILE)
 
 
 def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,24 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.triton_utils import env_tile
+
 # (rows, channels, warps) per program. Backward: the split kernels with 64-row blocks measured fastest
 # (H200, 65,536 tokens x 3,072 channels bf16, fwd+bwd: split 64/128/4 1.88 ms, split 32/128/4 2.26 ms,
 # fused 32/128/4 2.86 ms; bench/short_conv.py --sweep).
 TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4)}
 
 
-def _tiles(direction: str) -> tuple[int, int, int]:
+def _tiles(direction: str) -> tuple[int, ...]:
     """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD}_{BT,BC,WARPS} override the
     defaults (read per call: bench/short_conv.py --sweep times the combinations)."""
-    env = os.environ.get
-    bt, bc, warps = TILES[direction]
-    bt = int(env(f"K3_CONV_{direction}_BT", bt))
-    bc = int(env(f"K3_CONV_{direction}_BC", bc))
-    warps = int(env(f"K3_CONV_{direction}_WARPS", warps))
-    for name, v in (("BT", bt), ("BC", bc), ("WARPS", warps)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"K3_CONV_{direction}_{name} must be a power of two, got {v}")
-    return bt, bc, warps
+    return env_tile(f"K3_CONV_{direction}", ("BT", "BC", "WARPS"), TILES[direction])
 
 
 @triton.jit

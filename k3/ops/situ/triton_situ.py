@@ -21,13 +21,11 @@ tensor (the GEMM's gradient, no concatenation). Nothing is saved but the GEMM ou
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt
+from k3.ops.triton_utils import cvt, env_tile
 
 # (rows, columns, warps) per program
 TILE = (16, 256, 8)
@@ -84,16 +82,10 @@ def _situ_bwd(AB, GO, GAB, M, I, s_ab, inv_beta, beta, inv_beta_lin, beta_lin, B
     tl.store(GAB + o_g + I, cvt(g * left * (1.0 - tb * tb), GAB.dtype.element_ty), mask=mask)
 
 
-def tile() -> tuple[int, int, int]:
+def tile() -> tuple[int, ...]:
     """(rows, columns, warps) per program: TILE, or env K3_SITU_{BM,BI,WARPS} (read per call, so
     bench/situ.py --sweep can time several in one process); powers of two."""
-    out = []
-    for name, default in zip(("BM", "BI", "WARPS"), TILE):
-        v = int(os.environ.get(f"K3_SITU_{name}", default))
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"K3_SITU_{name} must be a power of two, got {v}")
-        out.append(v)
-    return out[0], out[1], out[2]
+    return env_tile("K3_SITU", ("BM", "BI", "WARPS"), TILE)
 
 
 def _launch(kernel, M: int, I: int, *args) -> None:  # noqa: ANN001
