@@ -30,25 +30,15 @@ from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
+from k3.train import flops as train_flops
 
 ROOFLINE_BF16 = 790e12  # measured H200 bf16 matmul ceiling
 PEAK_BF16 = 989e12  # H200 dense bf16 datasheet peak (torchtitan / Megatron MFU convention)
 
 
 def flops_per_token(model: K3ForCausalLM, seq_len: int, doc_lens: list[int] | None = None) -> float:
-    """Training FLOPs per token; with doc_lens (packed documents) MLA attends within each document: the
-    causal average context is sum(len^2) / 2 / sum(len) instead of seq_len / 2."""
-    tc = model.config.text_config
-    _, active = model.num_parameters()
-    fwd = 2.0 * active
-    context = seq_len / 2 if not doc_lens else sum(n * n for n in doc_lens) / 2 / sum(doc_lens)
-    for i in range(tc.num_hidden_layers):
-        if tc.is_mla(i):
-            fwd += 2 * tc.num_attention_heads * (tc.qk_head_dim + tc.v_head_dim) * context
-        else:
-            H, K, C = tc.kda_num_heads, tc.kda_head_dim, 64
-            fwd += H * (6 * K * K + 3 * C * K + C * C)
-    return 3 * fwd
+    """Training FLOPs per token (k3.train.flops); with doc_lens MLA attends within each document."""
+    return train_flops.flops_per_token(model.config.text_config, model.num_parameters()[1], seq_len, doc_lens)
 
 
 def sync(device: torch.device) -> None:

@@ -22,6 +22,7 @@ from k3.ops import to_device_async
 from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
+from k3.train.flops import batch_flops, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_state, set_rng_state
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
@@ -73,6 +74,8 @@ class Trainer:
             self.par.barrier()
         self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
         self.num_params = self.model.num_parameters()
+        self.peak = peak_bf16_flops(self.device)  # None on CPU / unknown GPUs: no MFU then
+        self.world = 1 if self.par is None else self.par.mesh.world
         self.vision: VisionData | None = None
         if self.model.vision is not None:
             if self.par is not None:
@@ -198,6 +201,7 @@ class Trainer:
         micro = batch.split_rows(rows) if rows else [batch]
         vb = vision_loss = None
         loss = 0.0
+        flops = 0.0
         for mb in micro:
             if len(micro) > 1 and mb.num_targets == 0:
                 continue  # nothing to learn from (its mean loss would be 0/0)
@@ -219,6 +223,7 @@ class Trainer:
                     objective, mloss = self.par.loss(self.model, local)
             (objective * w if len(micro) > 1 else objective).backward()
             loss = loss + mloss.detach() * w
+            flops += batch_flops(self.model_config.text_config, self.num_params[1], mb.cu_seqlens)
         if self.par is None:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         else:
@@ -240,6 +245,9 @@ class Trainer:
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
         if balance is not None:
             rec["max_load_ratio"] = balance
+        rec["tflops"] = flops / dt / self.world / 1e12  # model FLOPs (text), per GPU
+        if self.peak is not None:
+            rec["mfu"] = rec["tflops"] * 1e12 / self.peak
         if vision_loss is not None:
             rec["vision_loss"] = vision_loss.item()
             rec["vision_tokens"] = vb.num_tokens
@@ -284,8 +292,9 @@ class Trainer:
                 self.log.write(rec)
                 if not math.isfinite(rec["loss"]):
                     raise FloatingPointError(f"loss became {rec['loss']} at step {self.step}")
-                self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"),
-                                     f"vl {rec['vision_loss']:.3f}" if "vision_loss" in rec else "")
+                extra = [f"mfu {rec['mfu']:.1%}"] if "mfu" in rec else []
+                extra += [f"vl {rec['vision_loss']:.3f}"] if "vision_loss" in rec else []
+                self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"), " ".join(extra))
                 self.step += 1
                 if self.step % cfg.eval_every == 0 or self.step == cfg.max_steps:
                     val = self.evaluate()
