@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres trainer
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -61,10 +61,17 @@ for s in $sections; do
     situ)  # SiTU-GLU: Triton kernels vs the Inductor regions vs eager, k3-small's shapes at 64K tokens
       python bench/situ.py --sweep 2>&1 | quiet > "$OUT/situ.txt"
       grep -E "^\||check" "$OUT/situ.txt" ;;
+    trainer)  # the real `k3 train` loop (data loader, Quantile Balancing, clipping, logging) on k3-small's
+      # recipe, over k3's own source as a small corpus: tokens/s and MFU per step from metrics.jsonl
+      rm -rf /tmp/k3run
+      timeout ${TRAINER_S:-300} python -m k3 train --preset ${TRAINER_PRESET:-k3-small} --data k3 --max-steps ${TRAINER_STEPS:-8} \
+        --out /tmp/k3run 2>&1 | tr '\r' '\n' | quiet | tail -40 > "$OUT/trainer.txt"
+      cp /tmp/k3run/metrics.jsonl "$OUT/trainer_metrics.jsonl" 2>/dev/null
+      python -c "import json; [print({k: r.get(k) for k in ('step', 'seq_len', 'loss', 'tok_s', 'tflops', 'mfu')}) for r in map(json.loads, open('/tmp/k3run/metrics.jsonl')) if 'loss' in r]" 2>&1 | tail -12 ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, trainer)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done
