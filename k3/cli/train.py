@@ -56,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
+    from k3.config import ConfigError
+
+    try:
+        result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
+    except ConfigError as e:  # e.g. a preset too large for this machine: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if result.interrupted:
         print(f"interrupted; resume with: k3 train --out {result.out_dir} --resume", file=sys.stderr)
         return 130

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from k3.config import K3Config, apply_overrides, get_preset
+from k3.config import ConfigError, K3Config, apply_overrides, get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.model.moe import LatentMoE
@@ -44,6 +44,9 @@ class TrainResult:
     vision_eval: dict[str, Any] | None = None  # VisionEvalResult.to_dict() of a vision-language run
 
 
+BYTES_PER_PARAM = 16  # fp32 weight + fp32 gradient + ~2 fp32 optimizer states (+ bf16 casts)
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, ep: int = 1, cp: int = 1) -> None:
         self.cfg = cfg.validate()
@@ -54,6 +57,8 @@ class Trainer:
             self.par = Parallel(ep, cp, self.device)
             self.device = self.par.device
         self.main = self.par is None or self.par.is_main
+        self.model_config = self._model_config()
+        self._check_memory()  # before anything is written or tokenised
         self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
         os.makedirs(self.out, exist_ok=True)
         self.ckpt_dir = os.path.join(self.out, "checkpoint")
@@ -66,7 +71,6 @@ class Trainer:
             torch.set_flush_denormal(True)  # long KDA decays produce denormals that slow CPU math ~5x
         torch.manual_seed(cfg.seed)
 
-        self.model_config = self._model_config()
         if self.par is not None and not self.main:
             self.par.barrier()  # rank 0 tokenises and fills the cache first
         self.data: TrainData = prepare_data(cfg, self.model_config, self.progress.message)
@@ -127,6 +131,26 @@ class Trainer:
         mc.dtype = "float32" if self.device.type == "cpu" else "bfloat16"
         mc.quantization_config = None  # experts train in full precision; QAT comes later
         return mc.validate()
+
+    def _check_memory(self) -> None:
+        """Refuse, before tokenising anything, a model whose training state cannot fit: ~16 bytes per
+        parameter (fp32 weight and gradient, optimizer states, bf16 casts) spread over the ranks, against
+        the device's memory (host RAM on a CPU). Activations come on top."""
+        with torch.device("meta"):
+            total = K3ForCausalLM(self.model_config).num_parameters()[0]
+        ranks = 1 if self.par is None else self.par.mesh.world
+        need = total * BYTES_PER_PARAM / ranks
+        if self.device.type == "cuda":
+            have = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > 0.9 * have:
+            raise ConfigError(
+                f"preset {self.cfg.preset!r}: {total / 1e9:,.1f}B parameters need about {need / 2**30:,.0f} GiB per "
+                f"{'rank' if ranks > 1 else 'device'} for weights, gradients and optimizer state "
+                f"({BYTES_PER_PARAM} bytes per parameter over {ranks} rank{'s' if ranks > 1 else ''}); this "
+                f"{self.device.type} has {have / 2**30:,.0f} GiB. Use a smaller preset or model overrides, or "
+                f"shard it over more GPUs with torchrun (FSDP2, --ep, --cp; docs/distributed.md).")
 
     def _resume(self) -> None:
         st = load_state(self.ckpt_dir)

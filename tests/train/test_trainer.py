@@ -144,3 +144,14 @@ def test_cli_train_then_generate(corpus, tmp_path):
                           "def ", "--max-new-tokens", "5", "--seed", "0"], capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith("def ")
+
+
+def test_a_preset_too_large_for_the_machine_is_refused_before_any_work(tmp_path):
+    """kimi-k3's training state (~41 TiB) on this machine: a clear error naming the sizes and the way out
+    (exit code 2, no traceback), and nothing written."""
+    out = tmp_path / "big"
+    r = subprocess.run([sys.executable, "-m", "k3", "train", "--preset", "kimi-k3", "--out", str(out),
+                        "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "error: preset 'kimi-k3'" in r.stderr and "GiB" in r.stderr and "torchrun" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
