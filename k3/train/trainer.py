@@ -143,7 +143,10 @@ class Trainer:
         if self.device.type == "cuda":
             have = torch.cuda.get_device_properties(self.device).total_memory
         else:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            try:
+                have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to check against
+                return
         if need > 0.9 * have:
             raise ConfigError(
                 f"preset {self.cfg.preset!r}: {total / 1e9:,.1f}B parameters need about {need / 2**30:,.0f} GiB per "
