@@ -14,13 +14,14 @@ Usage: python bench/attn_res.py [--tokens 65536] [--sweep]
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench._regions import device_name, parse, timer  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 EPS = 1e-5
@@ -49,16 +50,7 @@ def check(cands, w_norm, w_proj) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="small shapes (smoke run; on the CPU with TRITON_INTERPRET=1)")
-    args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    from bench.situ import timer
-
+    args = parse(__doc__, argv, "small shapes")
     bench = timer(args.device)
     from k3.model.fused import EAGER, Kernels
     from k3.ops.attn_res import attn_res_mix
@@ -70,7 +62,7 @@ def main(argv=None) -> int:
     shapes = [(2, args.tokens, 1024), (3, args.tokens, 1024), (4, args.tokens, 1024), (9, 8192, 7168)]
     if args.tiny:
         shapes = [(2, 33, 96), (4, 17, 300)]
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    name = device_name(args.device)
     print(f"# Block-AttnRes mix, bf16, {name}, torch {torch.__version__}")
     print("| candidates x [M, D] | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof "
           "| inductor / impl |")

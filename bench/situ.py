@@ -13,13 +13,14 @@ Usage: python bench/situ.py [--tokens 65536] [--sweep]
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench._regions import device_name, parse, timer  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 BETA, BETA_LIN = 4.0, 25.0
@@ -28,24 +29,6 @@ BETA, BETA_LIN = 4.0, 25.0
 def shapes(tokens: int) -> list[tuple[str, int, int]]:
     """(name, rows M, I) of k3-small's SiTU-GLUs: routed experts (top-8), dense layer 0, shared expert."""
     return [("routed experts", tokens * 8, 512), ("dense layer 0", tokens, 4096), ("shared expert", tokens, 512)]
-
-
-def timer(device: str):
-    """triton's do_bench on CUDA; on the CPU (smoke runs) the mean of three wall-clock runs."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn, grad_to_none=None: do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
-
-    def cpu(fn, grad_to_none=None):
-        import time
-
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t0) / 3 * 1e3
-
-    return cpu
 
 
 def check(ab: torch.Tensor) -> None:
@@ -65,14 +48,7 @@ def check(ab: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles (rows, columns, warps)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="64 tokens (smoke run; on the CPU with TRITON_INTERPRET=1)")
-    args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+    args = parse(__doc__, argv, "64 tokens")
     if args.tiny:
         args.tokens = 64
     bench = timer(args.device)
@@ -83,7 +59,7 @@ def main(argv=None) -> int:
     impls = {"k3 triton": lambda ab: situ_glu(ab, BETA, BETA_LIN),
              "inductor (default)": lambda ab: compiled.glu_packed(ab, "situ", BETA, BETA_LIN),
              "eager torch": lambda ab: EAGER.glu_packed(ab, "situ", BETA, BETA_LIN)}
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    name = device_name(args.device)
     print(f"# SiTU-GLU, bf16, {name}, torch {torch.__version__}")
     print("| shape | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | inductor / impl |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
