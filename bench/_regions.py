@@ -42,3 +42,20 @@ def timer(device: str) -> Callable:
 
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+
+
+def sweep(prefix: str, names: tuple[str, ...], tiles: list[tuple[int, ...]], step: Callable, leaves: list,
+          nbytes: int, bench: Callable) -> None:
+    """Time `step` (a forward+backward) for each program tile, set through env {prefix}_{name} (the kernels
+    read their tile knobs per call); prints a table with GB/s for `nbytes` moved per step."""
+    print("\n| " + " | ".join(names) + " | fwd+bwd ms | GB/s |\n|" + "---:|" * (len(names) + 2))
+    for tile in tiles:
+        env = {f"{prefix}_{n}": str(v) for n, v in zip(names, tile)}
+        os.environ.update(env)
+        try:
+            ms = bench(step, grad_to_none=leaves)
+            print("| " + " | ".join(map(str, tile)) + f" | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
+        finally:
+            for key in env:
+                os.environ.pop(key)
+    print()

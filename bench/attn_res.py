@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._regions import device_name, parse, timer  # noqa: E402
+from bench._regions import device_name, parse, sweep, timer  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 EPS = 1e-5
@@ -85,23 +85,11 @@ def main(argv=None) -> int:
             print(f"| {n} x [{M}, {D}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
                   f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
         if args.sweep and n == 4:
-            sweep(impls["k3 triton"], cands, w_norm, w_proj, go, fwd_bytes + bwd_bytes, bench)
+            fn = impls["k3 triton"]
+            sweep("K3_ATTNRES", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),
+                                                       (4, 1024, 8), (2, 1024, 4), (16, 128, 4), (32, 128, 8)],
+                  lambda: fn(cands, w_norm, w_proj).backward(go), leaves, fwd_bytes + bwd_bytes, bench)
     return 0
-
-
-def sweep(fn, cands, w_norm, w_proj, go, nbytes: int, bench) -> None:  # noqa: ANN001
-    print("\n| BM | BD | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
-    for bm, bd, warps in [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8), (4, 1024, 8), (2, 1024, 4),
-                          (16, 128, 4), (32, 128, 8)]:
-        env = {"K3_ATTNRES_BM": str(bm), "K3_ATTNRES_BD": str(bd), "K3_ATTNRES_WARPS": str(warps)}
-        os.environ.update(env)
-        try:
-            ms = bench(lambda: fn(cands, w_norm, w_proj).backward(go), grad_to_none=[*cands, w_norm, w_proj])
-            print(f"| {bm} | {bd} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
-        finally:
-            for key in env:
-                os.environ.pop(key)
-    print()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._regions import device_name, parse, timer  # noqa: E402
+from bench._regions import device_name, parse, sweep, timer  # noqa: E402
 
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 BETA, BETA_LIN = 4.0, 25.0
@@ -81,23 +81,11 @@ def main(argv=None) -> int:
             print(f"| {name} [{M}, {2 * I}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
                   f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
         if args.sweep and i == 0:
-            sweep(impls["k3 triton"], ab, go, fwd_bytes + bwd_bytes, bench)
+            fn = impls["k3 triton"]
+            sweep("K3_SITU", ("BM", "BI", "WARPS"), [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8),
+                                                    (4, 512, 4), (32, 128, 4), (64, 256, 16)],
+                  lambda: fn(ab).backward(go), [ab], fwd_bytes + bwd_bytes, bench)
     return 0
-
-
-def sweep(fn, ab: torch.Tensor, go: torch.Tensor, nbytes: int, bench) -> None:  # noqa: ANN001
-    print("\n| BM | BI | warps | fwd+bwd ms | GB/s |\n|---:|---:|---:|---:|---:|")
-    for bm, bi, warps in [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (32, 128, 4),
-                          (64, 256, 16)]:
-        env = {"K3_SITU_BM": str(bm), "K3_SITU_BI": str(bi), "K3_SITU_WARPS": str(warps)}
-        os.environ.update(env)
-        try:
-            ms = bench(lambda: fn(ab).backward(go), grad_to_none=[ab])
-            print(f"| {bm} | {bi} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
-        finally:
-            for k in env:
-                os.environ.pop(k)
-    print()
 
 
 if __name__ == "__main__":
