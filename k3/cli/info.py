@@ -42,9 +42,14 @@ def describe(config) -> dict:
             "layers": vc.num_hidden_layers, "hidden_size": vc.hidden_size, "patch_size": vc.patch_size,
             "merge_kernel_size": list(vc.merge_kernel_size), "media_placeholder_token_id": config.media_placeholder_token_id,
         }
+    from k3.train.flops import BYTES_PER_PARAM, flops_per_token
+
     return {
         "total_params": total,
         "active_params": active,
+        # the spec's k3 MFU convention (training = 3 x forward; MLA at the causal average of an 8K context)
+        "train_flops_per_token_8k": flops_per_token(tc, active, 8192),
+        "train_state_bytes": total * BYTES_PER_PARAM,  # fp32 weights, gradients, optimizer states
         "vision": vision,
         "num_layers": tc.num_hidden_layers,
         "num_kda_layers": sum(l["mixer"] == "KDA" for l in layers),
@@ -69,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
           f"hidden {info['hidden_size']}, vocab {info['vocab_size']}, experts {info['experts']}")
     print(f"total parameters  {info['total_params']:>18,} ({info['total_params'] / 1e9:.2f} B)")
     print(f"active per token  {info['active_params']:>18,} ({info['active_params'] / 1e9:.2f} B)")
+    print(f"training FLOPs    {info['train_flops_per_token_8k'] / 1e9:>18,.3f} G per token at 8K context")
+    print(f"training state    {info['train_state_bytes'] / 2**30:>18,.1f} GiB (fp32 weights, gradients, "
+          f"optimizer states; shard it over GPUs with torchrun)")
     v = info["vision"]
     if v is not None:
         print(f"vision (in total) {v['params']:>18,} ({v['params'] / 1e6:.2f} M): tower {v['tower_params']:,} "

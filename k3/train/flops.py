@@ -1,5 +1,6 @@
-"""Model FLOPs of a training step (the spec's k3 MFU convention, benchmarks.md section 3) and the bf16
-dense peak of known GPUs, for the MFU that `k3 train` logs and `bench/train.py` reports.
+"""Model FLOPs of a training step (the spec's k3 MFU convention, benchmarks.md section 3), the bf16
+dense peak of known GPUs (for the MFU that `k3 train` logs and `bench/train.py` reports) and the bytes
+of training state per parameter (`k3 train`'s memory check, `k3 info`).
 
 Per token, forward: 2 x active matmul parameters (input embedding excluded, lm_head included), plus per
 KDA layer H (6 K^2 + 3 C K + C^2) (C = 64, the chunk) and per MLA layer 2 H (d_qk + d_v) x the causal
@@ -15,6 +16,7 @@ import torch
 from k3.config import TextConfig
 
 CHUNK = 64
+BYTES_PER_PARAM = 16  # training state per parameter: fp32 weight + fp32 gradient + ~2 fp32 optimizer states
 # dense bf16 tensor-core peak per GPU (datasheets), matched against torch.cuda.get_device_name()
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,
              "B200": 2250e12}

@@ -22,7 +22,7 @@ from k3.ops import to_device_async
 from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
-from k3.train.flops import batch_flops, peak_bf16_flops
+from k3.train.flops import BYTES_PER_PARAM, batch_flops, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_state, set_rng_state
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
@@ -42,9 +42,6 @@ class TrainResult:
     unigram_entropy: float
     interrupted: bool = False
     vision_eval: dict[str, Any] | None = None  # VisionEvalResult.to_dict() of a vision-language run
-
-
-BYTES_PER_PARAM = 16  # fp32 weight + fp32 gradient + ~2 fp32 optimizer states (+ bf16 casts)
 
 
 class Trainer:
