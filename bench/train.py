@@ -10,10 +10,13 @@ as the in-run baseline, with the chunked PyTorch KDA backend.
     python bench/train.py --tiny --device cpu   # smoke run of the same code path
 
 FLOPs per token (training = 3 x forward), counted from the config with the spec's k3 MFU convention
-(shared/spec benchmarks.md section 3):
+(shared/spec benchmarks.md section 3; k3/train/flops.py, which `k3 train` logs with too):
     matmuls  2 * (active parameters without the input embedding)
-    MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context)
+    MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context;
+                                                                  per document with --doc-mean)
     KDA      per layer H * (6 * K^2 + 3 * C * K + C^2), C = 64     (chunked kernels, K = V)
+Variants (--embed-dtype, --situ, --attnres) run in one process after the default, with a
+speed-vs-default column; --doc-mean packs documents of random lengths as a real corpus does.
 (Before 2026-12-01 06:30 UTC the KDA term was 2 * H * (4 * K * V + C * (K + V)): 0.54% more FLOPs per
 token for k3-small at T 8192, so the MFU values measured earlier are that much higher.)
 """
