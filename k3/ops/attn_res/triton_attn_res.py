@@ -1,12 +1,13 @@
 """Block-AttnRes aggregation as Triton kernels: one program per block of rows, all candidates at once.
 
 Forward: pass 1 reads every candidate row once for its logit (V . w and mean(V^2) in one sweep),
-softmax over the candidates in registers, pass 2 re-reads them (from L2: the program's rows were
-just read) for the weighted sum. Backward: pass 1 gp_i = g . V_i, then the softmax and RMS terms per
-row, pass 2 writes every candidate's gradient and a per-program partial sum of the w gradient
-(summed afterwards in a fixed order: deterministic, no atomics). Compared with the compiled
-elementwise regions this reads each candidate once per direction where those read it two or three
-times (bench/attn_res.py measures both).
+softmax over the candidates in registers, pass 2 re-reads them for the weighted sum (expected from
+L2: the program's rows were just read). Backward: pass 1 gp_i = g . V_i, then the softmax and RMS
+terms per row, pass 2 writes every candidate's gradient and a per-program partial sum of the w
+gradient (summed afterwards in a fixed order: deterministic, no atomics). So each candidate comes
+from memory about once per direction; the compiled elementwise regions are expected to read it two
+to three times (a row-reduction kernel, then elementwise and column-reduction kernels):
+bench/attn_res.py measures both.
 
 Candidates arrive as separate pointers (up to MAXN; each its own dtype, contiguous [M, D]);
 unused slots repeat the first one and are never read.
