@@ -167,7 +167,13 @@ def main() -> None:
     runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",") for v in variants]
     base: dict[tuple, float] = {}  # step time of the default variant of each (T, backend, accum)
     for T, be, accum, res, situ, ar in runs:
-        r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar, args.doc_mean)
+        try:
+            r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar, args.doc_mean)
+        except Exception as e:  # noqa: BLE001 - one failing variant (e.g. a kernel that does not compile) must not cost the others
+            opt.zero_grad(set_to_none=True)
+            print(f"| {be} | {res} | {situ} | {ar} | | {T} | | {accum} | FAILED: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120] if str(e) else ''} | | | | | | |", flush=True)
+            continue
         ref = base.setdefault((T, be, accum), r["step_ms"])  # the first variant of a group is the default
         print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['attnres']} | {r['docs']} | {r['T']} | {r['B']} | "
               f"{r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
