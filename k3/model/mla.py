@@ -205,7 +205,10 @@ _VARLEN_ATTN, _VARLEN_CAUSAL = _load_varlen()
 
 
 def _use_varlen(q: torch.Tensor) -> bool:
-    return _VARLEN_ATTN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    """Flash attention's envelope: CUDA sm80+, bf16 / fp16, one head size <= 256 that is a multiple of 8."""
+    d = q.shape[-1]
+    return (_VARLEN_ATTN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and d <= 256 and d % 8 == 0 and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
