@@ -29,9 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_config(args: argparse.Namespace):
+    """Preset defaults < --config file < flags; with --resume the run's own saved config takes the
+    place of the preset defaults, so `k3 train --out DIR --resume` needs no other flag."""
     from k3.train.config import TrainConfig, load_overrides
+    from k3.train.state import load_run_config
 
-    d = load_overrides(args.config) if args.config else {}
+    d = (load_run_config(args.out) or {}) if args.resume else {}
+    if args.config:
+        d.update(load_overrides(args.config))
     for key in ("preset", "data", "out", "max_steps", "seed", "device", "micro_batch_tokens"):
         v = getattr(args, key)
         if v is not None:
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
-    except ConfigError as e:  # e.g. a preset too large for this machine: a message, not a traceback
+    except (ConfigError, FileNotFoundError) as e:  # a preset too large for this machine, a changed config on
+        # --resume, nothing to resume, a missing corpus: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     if result.interrupted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 STATE_FILE = "train_state.pt"
+CONFIG_FILE = "train_config.json"  # in the run directory: what `k3 train --out DIR --resume` starts from
 
 
 def rng_state() -> dict[str, Any]:
@@ -48,3 +50,25 @@ def load_state(directory: str) -> dict[str, Any]:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated/corrupt file: say which one
         raise RuntimeError(f"cannot read training checkpoint {path}: {e}") from e
+
+
+def save_run_config(out_dir: str, config: dict[str, Any]) -> str:
+    """The run's training config as JSON in out_dir (atomically); returns the path."""
+    path = os.path.join(out_dir, CONFIG_FILE)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_run_config(out_dir: str) -> dict[str, Any] | None:
+    """The config a run in out_dir was started with, or None (no run there, or one from before k3 kept it)."""
+    path = os.path.join(out_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

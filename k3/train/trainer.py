@@ -24,7 +24,7 @@ from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
-from k3.train.state import load_state, rng_state, save_state, set_rng_state
+from k3.train.state import STATE_FILE, load_state, rng_state, save_run_config, save_state, set_rng_state
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
 
 
@@ -57,8 +57,13 @@ class Trainer:
         self.model_config = self._model_config()
         self._check_memory()  # before anything is written or tokenised
         self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
-        os.makedirs(self.out, exist_ok=True)
         self.ckpt_dir = os.path.join(self.out, "checkpoint")
+        if resume and not os.path.exists(os.path.join(self.ckpt_dir, STATE_FILE)):  # before any work
+            raise FileNotFoundError(f"no training checkpoint at {os.path.join(self.ckpt_dir, STATE_FILE)} "
+                                    "(nothing to resume)")
+        os.makedirs(self.out, exist_ok=True)
+        if self.main and not resume:
+            save_run_config(self.out, cfg.to_dict() | {"out": self.out})
         self.progress = Progress(cfg.max_steps) if self.main else Progress(cfg.max_steps, open(os.devnull, "w"))
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -158,7 +163,7 @@ class Trainer:
         saved = TrainConfig.from_dict(st["train_config"]).to_dict()
         if saved != self.cfg.to_dict() | {"out": saved["out"]}:
             changed = sorted(k for k, v in self.cfg.to_dict().items() if k != "out" and saved.get(k) != v)
-            raise ValueError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
+            raise ConfigError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
         if isinstance(st["model"], str):  # "dcp": a sharded checkpoint from a distributed run
             from k3.distributed.checkpoint import load_dcp
             load_dcp(os.path.join(self.ckpt_dir, st["model"]), self.model, self.opt,

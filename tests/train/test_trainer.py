@@ -146,6 +146,33 @@ def test_cli_train_then_generate(corpus, tmp_path):
     assert gen.stdout.startswith("def ")
 
 
+def test_cli_resume_needs_only_the_run_directory(corpus, tmp_path):
+    """`k3 train --out DIR --resume` continues with the run's own config (saved as DIR/train_config.json):
+    no need to repeat --data / --config / --preset; an explicit flag that changes the config is refused."""
+    over = tmp_path / "over.json"
+    over.write_text(json.dumps({"model": MODEL, "tokens_per_step": 256, "stages": [{"seq_len": 64, "fraction": 1.0}],
+                                "eval_every": 2, "eval_tokens": 256, "eval_seq_len": 64, "val_fraction": 0.1,
+                                "save_every": 2, "cache_dir": str(tmp_path / "cache")}))
+    out = tmp_path / "run"
+    first = subprocess.run([sys.executable, "-m", "k3", "train", "--data", str(corpus), "--out", str(out),
+                            "--max-steps", "2", "--config", str(over)], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["data"] == str(corpus) and saved["model"] == MODEL and saved["max_steps"] == 2
+    again = subprocess.run([sys.executable, "-m", "k3", "train", "--out", str(out), "--resume"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr + again.stdout and "done: 2 steps" in again.stdout
+    changed = subprocess.run([sys.executable, "-m", "k3", "train", "--out", str(out), "--resume", "--seed", "5"],
+                             capture_output=True, text=True, timeout=300)
+    assert changed.returncode == 2 and "error: cannot resume" in changed.stderr and "seed" in changed.stderr
+    assert "Traceback" not in changed.stderr
+    nothing = subprocess.run([sys.executable, "-m", "k3", "train", "--out", str(tmp_path / "none"), "--resume",
+                              "--config", str(over), "--data", str(corpus)], capture_output=True, text=True, timeout=300)
+    assert nothing.returncode == 2 and "nothing to resume" in nothing.stderr and "Traceback" not in nothing.stderr
+    assert not (tmp_path / "none").exists()  # refused before anything was written
+
+
 def test_a_preset_too_large_for_the_machine_is_refused_before_any_work(tmp_path):
     """kimi-k3's training state (~41 TiB) on this machine: a clear error naming the sizes and the way out
     (exit code 2, no traceback), and nothing written."""
