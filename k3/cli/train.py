@@ -47,7 +47,7 @@ def build_config(args: argparse.Namespace):
         d["compile"] = True
     if args.activation_checkpointing:
         d["activation_checkpointing"] = True
-    return TrainConfig.from_dict(d)
+    return TrainConfig.from_dict(d).validate()  # a bad value is an error message here, not a traceback later
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,9 +61,6 @@ class Trainer:
         if resume and not os.path.exists(os.path.join(self.ckpt_dir, STATE_FILE)):  # before any work
             raise FileNotFoundError(f"no training checkpoint at {os.path.join(self.ckpt_dir, STATE_FILE)} "
                                     "(nothing to resume)")
-        os.makedirs(self.out, exist_ok=True)
-        if self.main and not resume:
-            save_run_config(self.out, cfg.to_dict() | {"out": self.out})
         self.progress = Progress(cfg.max_steps) if self.main else Progress(cfg.max_steps, open(os.devnull, "w"))
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -76,6 +73,9 @@ class Trainer:
         if self.par is not None and not self.main:
             self.par.barrier()  # rank 0 tokenises and fills the cache first
         self.data: TrainData = prepare_data(cfg, self.model_config, self.progress.message)
+        os.makedirs(self.out, exist_ok=True)  # after the data: a bad corpus leaves no empty run behind
+        if self.main and not resume:
+            save_run_config(self.out, cfg.to_dict() | {"out": self.out})
         if self.par is not None and self.main:
             self.par.barrier()
         self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)

@@ -173,6 +173,22 @@ def test_cli_resume_needs_only_the_run_directory(corpus, tmp_path):
     assert not (tmp_path / "none").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "{cfg}"], "train config lr=-1: learning rates must be positive"),
+    (["--data", "{missing}"], "no such file or folder"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+])
+def test_cli_bad_input_is_a_message_and_leaves_nothing(tmp_path, argv, message):
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"lr": -1}))
+    argv = [a.format(cfg=cfg, missing=tmp_path / "missing") for a in argv]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "k3", "train", "--out", str(out), *argv], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "error: " in r.stderr and message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
 def test_a_preset_too_large_for_the_machine_is_refused_before_any_work(tmp_path):
     """kimi-k3's training state (~41 TiB) on this machine: a clear error naming the sizes and the way out
     (exit code 2, no traceback), and nothing written."""
