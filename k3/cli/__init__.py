@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules under k3.cli, one per subcommand; each imports its heavy dependencies inside `run`.
@@ -32,7 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 1
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as e:  # noqa: BLE001 - user errors become one line; anything else keeps its traceback
+        if not _user_error(e) or os.environ.get("K3_DEBUG"):
+            raise
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _user_error(e: Exception) -> bool:
+    """Missing files, bad configs and checkpoints that do not match: the user's to fix (set K3_DEBUG=1 for
+    the traceback)."""
+    from k3.config import ConfigError
+    from k3.model.safetensors_io import CheckpointError
+
+    return isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError, ConfigError, CheckpointError))
 
 
 if __name__ == "__main__":
