@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable
 
 import torch
@@ -96,7 +97,11 @@ class GatedMLA(nn.Module):
             # Documents of any lengths on the GPU: flash attention over the packed row, sum of len^2 work
             # (re-padding costs N * Tmax^2 and a dense mask total^2, both far more on real corpora).
             cu = layout.cu_seqlens.to(q.device, torch.int32)
-            return varlen_causal(q[0], k[0], v[0], cu, tmax, self.scale)[None]
+            try:
+                return varlen_causal(q[0], k[0], v[0], cu, tmax, self.scale)[None]
+            except RuntimeError as e:  # a torch build without flash varlen for this case: the exact paths below
+                warnings.warn(f"MLA: flash varlen attention is unavailable here ({str(e).splitlines()[0]}); "
+                              "attending over re-padded documents instead", RuntimeWarning, stacklevel=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, *]
         if layout.cu_seqlens is None:
             o = _sdpa(q, k, v, None, causal=True, scale=self.scale)

@@ -1,5 +1,7 @@
 """The facts that are easy to get wrong, one test each."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -240,6 +242,27 @@ def test_mla_varlen_path_equals_the_padded_path(monkeypatch, causal_kw):
         torch.testing.assert_close(got[2][n], want[2][n], rtol=1e-4, atol=1e-5, msg=n)
 
 
+def test_mla_varlen_failure_falls_back_to_the_padded_path(monkeypatch):
+    """A torch build whose flash varlen kernel refuses the case: a RuntimeWarning and the exact padded path."""
+    import k3.model.mla as mla_mod
+
+    torch.manual_seed(0)
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, layer_idx=3)
+    layout = SeqLayout.build(1, 27, torch.tensor([0, 5, 6, 19, 27], dtype=torch.int32), None, torch.device("cpu"))
+    x = torch.randn(1, 27, cfg.hidden_size)
+    want = mla(x, layout)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+
+    monkeypatch.setattr(mla_mod, "_VARLEN_ATTN", refuse)
+    monkeypatch.setattr(mla_mod, "_use_varlen", lambda q: True)
+    with pytest.warns(RuntimeWarning, match="flash varlen attention is unavailable here"):
+        got = mla(x, layout)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.gpu
 def test_mla_varlen_flash_matches_padded_on_gpu(monkeypatch):
     """The real flash varlen kernel (bf16, CUDA) against the re-padded SDPA path: output and gradients."""
@@ -256,8 +279,10 @@ def test_mla_varlen_flash_matches_padded_on_gpu(monkeypatch):
         monkeypatch.setattr(mla_mod, "_use_varlen", (lambda q: True) if varlen else (lambda q: False))
         mla.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = mla(xi, layout)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the padded fallback would make this comparison vacuous
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = mla(xi, layout)
         out.float().square().mean().backward()
         results.append((out.float(), xi.grad, mla.kv_b_proj.weight.grad))
     for a, b in zip(*results):
