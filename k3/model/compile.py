@@ -12,8 +12,9 @@ eager mode, and need no graph breaks.
     compile_model(model, backend="aot_eager")   # tracing only (tests, debugging)
 
 Compilation happens lazily on the first forward/backward. By default shapes that change recompile
-once and are then treated as dynamic; `dynamic=False` (what `k3 train` uses) compiles each distinct
-shape for its size, so the training kernels stay the ones `bench/train.py` measures. Serving (`k3 serve --compile`)
+once and are then treated as dynamic; `dynamic=False` (what `k3 train` uses for text, whose
+micro-batches have fixed shapes) compiles each distinct shape for its size, so the training kernels
+stay the ones `bench/train.py` measures. Serving (`k3 serve --compile`)
 uses it too: the CUDA-graph decode buckets have fixed shapes, so the compiled kernels are captured in
 the graphs.
 """

@@ -94,7 +94,9 @@ class Trainer:
             self.par.setup(self.model)
         self.model.model.gradient_checkpointing = cfg.activation_checkpointing
         if cfg.compile:  # compiled elementwise regions; matmuls, attention and Triton KDA stay eager
-            compile_model(self.model, dynamic=False)  # a few fixed shapes: each compiled for its size
+            # text rows have a few fixed shapes (micro-batch, validation): each compiled for its size; the
+            # image chats of vision-language training change the token count every step: dynamic shapes
+            compile_model(self.model, dynamic=None if self.vision is not None else False)
         geom = HeadGeometry.from_config(self.model_config.text_config)
         groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]

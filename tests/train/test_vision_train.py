@@ -222,3 +222,21 @@ def test_tiny_vl_training_smoke(corpus, tmp_path):
     assert state["vision_loader"]["cursor"] == 8 * 4 % 24 and state["vision_loader"]["epoch"] == 1
     again = Trainer(cfg, resume=True)
     assert again.step == 8 and again.vision.loader.state_dict() == state["vision_loader"]
+
+
+def test_compile_shapes_static_for_text_dynamic_for_vision(corpus, tmp_path, monkeypatch):
+    """k3 train --compile: text micro-batches have fixed shapes (static compile, what bench/train.py
+    measures); image chats change the token count every step (dynamic shapes, no recompile per step)."""
+    import k3.train.trainer as trainer_mod
+
+    seen = []
+    monkeypatch.setattr(trainer_mod, "compile_model", lambda model, **kw: seen.append(kw) or model)
+    common = {"data": str(corpus), "max_steps": 1, "tokens_per_step": 128, "stages": [{"seq_len": 64, "fraction": 1.0}],
+              "eval_tokens": 128, "eval_seq_len": 64, "val_fraction": 0.1, "cache_dir": str(tmp_path / "cache"),
+              "compile": True}
+    trainer_mod.Trainer(TrainConfig.from_dict(common | {"out": str(tmp_path / "t"), "model": MODEL}))
+    trainer_mod.Trainer(TrainConfig.from_dict(common | {
+        "preset": "k3-tiny-vl", "out": str(tmp_path / "v"),
+        "model": MODEL | {"vision_config": tiny_vision_config(64).to_dict()}, "vision_batch_size": 4,
+        "vision_train_examples": 8, "vision_eval_examples": 4, "vision_image_size": [28, 56]}))
+    assert seen == [{"dynamic": False}, {"dynamic": None}]
