@@ -22,7 +22,7 @@ from k3.ops import to_device_async
 from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
-from k3.train.flops import BYTES_PER_PARAM, batch_flops, peak_bf16_flops
+from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import STATE_FILE, load_state, rng_state, save_run_config, save_state, set_rng_state
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
@@ -42,6 +42,9 @@ class TrainResult:
     unigram_entropy: float
     interrupted: bool = False
     vision_eval: dict[str, Any] | None = None  # VisionEvalResult.to_dict() of a vision-language run
+
+
+CPU_STEP_WARN_FLOPS = 3e13  # ~5 minutes per step at the ~0.1 TFLOP/s of a laptop CPU
 
 
 class Trainer:
@@ -82,6 +85,8 @@ class Trainer:
         self.num_params = self.model.num_parameters()
         self.peak = peak_bf16_flops(self.device)  # None on CPU / unknown GPUs: no MFU then
         self.world = 1 if self.par is None else self.par.mesh.world
+        if self.device.type == "cpu":
+            self._warn_slow_cpu_steps()
         self.vision: VisionData | None = None
         if self.model.vision is not None:
             if self.par is not None:
@@ -135,6 +140,16 @@ class Trainer:
         mc.dtype = "float32" if self.device.type == "cpu" else "bfloat16"
         mc.quantization_config = None  # experts train in full precision; QAT comes later
         return mc.validate()
+
+    def _warn_slow_cpu_steps(self) -> None:
+        """A GPU recipe on a CPU (e.g. k3-small's 512K-token steps) runs, but say so up front."""
+        tc, seq = self.model_config.text_config, self.cfg.stages[0].seq_len
+        step = flops_per_token(tc, self.num_params[1], seq) * self.cfg.tokens_per_step
+        if step > CPU_STEP_WARN_FLOPS:
+            self.progress.message(
+                f"note: each step is {self.cfg.tokens_per_step:,} tokens, ~{step / 1e12:,.0f} TFLOP: on a CPU "
+                f"(~0.1 TFLOP/s) that is about {step / 1e11 / 60:,.0f} min per step; preset {self.cfg.preset!r} "
+                "is a GPU recipe (k3-tiny is the CPU one)")
 
     def _check_memory(self) -> None:
         """Refuse, before tokenising anything, a model whose training state cannot fit: ~16 bytes per

@@ -198,3 +198,23 @@ def test_a_preset_too_large_for_the_machine_is_refused_before_any_work(tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "error: preset 'kimi-k3'" in r.stderr and "GiB" in r.stderr and "torchrun" in r.stderr
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_gpu_recipe_on_a_cpu_is_announced():
+    """k3-small's 512K-token steps on a CPU: one line up front saying what a step costs there; k3-tiny: none."""
+    from types import SimpleNamespace
+
+    from k3.config import get_preset
+    from k3.model.causal_lm import K3ForCausalLM
+
+    for preset, expect in (("k3-small", True), ("k3-tiny", False)):
+        msgs: list[str] = []
+        cfg = TrainConfig.from_dict({"preset": preset})
+        with torch.device("meta"):
+            active = K3ForCausalLM(get_preset(preset)).num_parameters()[1]
+        fake = SimpleNamespace(model_config=get_preset(preset), cfg=cfg, num_params=(0, active),
+                               progress=SimpleNamespace(message=msgs.append))
+        Trainer._warn_slow_cpu_steps(fake)
+        assert bool(msgs) == expect, msgs
+        if expect:
+            assert "524,288 tokens" in msgs[0] and "GPU recipe" in msgs[0]
