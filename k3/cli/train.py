@@ -61,14 +61,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from k3.config import ConfigError
-
-    try:
-        result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
-    except (ConfigError, FileNotFoundError) as e:  # a preset too large for this machine, a changed config on
-        # --resume, nothing to resume, a missing corpus: a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # a preset too large for this machine, a changed config on --resume, nothing to resume, a missing
+    # corpus: k3.cli.main turns them into one error line and exit code 2
+    result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
     if result.interrupted:
         print(f"interrupted; resume with: k3 train --out {result.out_dir} --resume", file=sys.stderr)
         return 130

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
+
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype
 
@@ -425,12 +427,10 @@ class Kernels:
 
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
         """Block-AttnRes mix (see k3.model.common.attn_res_mix). Env K3_ATTNRES=triton runs it as the
-        Triton kernels of `k3.ops.attn_res` (CUDA, or the interpreter; up to 9 candidates)."""
+        Triton kernels of `k3.ops.attn_res` (CUDA, or the interpreter; up to MAX_CANDIDATES)."""
         if len(cands) == 1:
             return cands[0]
-        if len(cands) <= 9 and _triton_choice("K3_ATTNRES", cands[-1]):
-            from k3.ops.attn_res import attn_res_mix
-
+        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
             return attn_res_mix(cands, w_norm, w_proj, eps)
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
 

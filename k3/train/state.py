@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any
+from typing import IO, Any, Callable
 
 import numpy as np
 import torch
@@ -29,23 +29,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_state(directory: str, state: dict[str, Any]) -> str:
-    """torch.save `state` to directory/train_state.pt atomically; returns the path."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, STATE_FILE)
+def _write_atomic(path: str, write: Callable[[IO], None], mode: str) -> str:
+    """write(file) into a temporary file beside `path`, fsync, rename over `path`; returns the path."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
+    with open(tmp, mode) as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
 
 
-def load_state(directory: str) -> dict[str, Any]:
+def save_state(directory: str, state: dict[str, Any]) -> str:
+    """torch.save `state` to directory/train_state.pt atomically; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    return _write_atomic(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f), "wb")
+
+
+def state_path(directory: str) -> str:
+    """directory/train_state.pt; FileNotFoundError when there is none (nothing to resume)."""
     path = os.path.join(directory, STATE_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no training checkpoint at {path} (nothing to resume)")
+    return path
+
+
+def load_state(directory: str) -> dict[str, Any]:
+    path = state_path(directory)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated/corrupt file: say which one
@@ -54,15 +64,8 @@ def load_state(directory: str) -> dict[str, Any]:
 
 def save_run_config(out_dir: str, config: dict[str, Any]) -> str:
     """The run's training config as JSON in out_dir (atomically); returns the path."""
-    path = os.path.join(out_dir, CONFIG_FILE)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return _write_atomic(os.path.join(out_dir, CONFIG_FILE), lambda f: f.write(json.dumps(config, indent=1) + "\n"),
+                         "w")
 
 
 def load_run_config(out_dir: str) -> dict[str, Any] | None:

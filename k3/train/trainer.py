@@ -24,7 +24,7 @@ from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
-from k3.train.state import STATE_FILE, load_state, rng_state, save_run_config, save_state, set_rng_state
+from k3.train.state import load_state, rng_state, save_run_config, save_state, set_rng_state, state_path
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
 
 
@@ -57,13 +57,13 @@ class Trainer:
             self.par = Parallel(ep, cp, self.device)
             self.device = self.par.device
         self.main = self.par is None or self.par.is_main
+        self.world = 1 if self.par is None else self.par.mesh.world
         self.model_config = self._model_config()
         self._check_memory()  # before anything is written or tokenised
         self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
         self.ckpt_dir = os.path.join(self.out, "checkpoint")
-        if resume and not os.path.exists(os.path.join(self.ckpt_dir, STATE_FILE)):  # before any work
-            raise FileNotFoundError(f"no training checkpoint at {os.path.join(self.ckpt_dir, STATE_FILE)} "
-                                    "(nothing to resume)")
+        if resume:
+            state_path(self.ckpt_dir)  # nothing to resume: say so before any work
         self.progress = Progress(cfg.max_steps) if self.main else Progress(cfg.max_steps, open(os.devnull, "w"))
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -84,7 +84,6 @@ class Trainer:
         self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
         self.num_params = self.model.num_parameters()
         self.peak = peak_bf16_flops(self.device)  # None on CPU / unknown GPUs: no MFU then
-        self.world = 1 if self.par is None else self.par.mesh.world
         if self.device.type == "cpu":
             self._warn_slow_cpu_steps()
         self.vision: VisionData | None = None
@@ -157,7 +156,7 @@ class Trainer:
         the device's memory (host RAM on a CPU). Activations come on top."""
         with torch.device("meta"):
             total = K3ForCausalLM(self.model_config).num_parameters()[0]
-        ranks = 1 if self.par is None else self.par.mesh.world
+        ranks = self.world
         need = total * BYTES_PER_PARAM / ranks
         if self.device.type == "cuda":
             have = torch.cuda.get_device_properties(self.device).total_memory

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3.config import get_preset, k3_tiny
+from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.train.flops import PEAK_BF16, batch_flops, flops_per_token, peak_bf16_flops
 
@@ -38,25 +38,3 @@ def test_peak_lookup():
         name = torch.cuda.get_device_name()
         assert peak_bf16_flops("cuda") == next((v for k, v in sorted(PEAK_BF16.items(), key=lambda kv: -len(kv[0]))
                                                  if k in name), None)
-
-
-def test_trainer_logs_tflops(tmp_path):
-    """Training lines carry the step's model TFLOP/s (per GPU); MFU only where the peak is known (not on a CPU)."""
-    from k3.train.config import Stage, TrainConfig
-    from k3.train.metrics import read_metrics
-    from k3.train.trainer import Trainer
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(12):
-        (corpus / f"d{i}.py").write_text("def f(x):\n    return x + %d\n" % i * 30)
-    model = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "q_lora_rank": 64, "kv_lora_rank": 32,
-             "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "num_experts": 8,
-             "num_experts_per_token": 2, "moe_intermediate_size": 32, "routed_expert_hidden_size": 32,
-             "linear_attn_config": {"num_heads": 2, "head_dim": 16}}
-    cfg = TrainConfig(data=str(corpus), out=str(tmp_path / "out"), max_steps=2, tokens_per_step=256,
-                      stages=[Stage(64, 1.0)], eval_every=2, eval_tokens=256, eval_seq_len=64, warmup_steps=1,
-                      val_fraction=0.2, model=model, cache_dir=str(tmp_path / "cache"), qb_bins=32)
-    Trainer(cfg).run()
-    lines = [r for r in read_metrics(str(tmp_path / "out" / "metrics.jsonl")) if "loss" in r]
-    assert lines and all(r["tflops"] > 0 and "mfu" not in r for r in lines)

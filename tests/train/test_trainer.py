@@ -114,6 +114,13 @@ def test_validation_batches_stay_within_a_micro_batch(corpus, tmp_path, capsys):
     assert "this run reads 1,536 tokens" in printed.out + printed.err
 
 
+def test_trainer_logs_tflops(corpus, tmp_path):
+    """Training lines carry the step's model TFLOP/s (per GPU); MFU only where the peak is known (not on a CPU)."""
+    Trainer(_cfg(corpus, tmp_path / "f", tmp_path, max_steps=2)).run()
+    lines = [r for r in read_metrics(str(tmp_path / "f" / "metrics.jsonl")) if "loss" in r]
+    assert lines and all(r["tflops"] > 0 and "mfu" not in r for r in lines)
+
+
 def test_resume_refuses_a_changed_config(corpus, tmp_path):
     Trainer(_cfg(corpus, tmp_path / "c", tmp_path, max_steps=2)).run()
     with pytest.raises(ValueError, match="lr"):

@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["attn_res_mix", "MAX_CANDIDATES"]
 
-MAX_CANDIDATES = 9
+MAX_CANDIDATES = 9  # K3's output mix: 8 completed blocks + the running prefix (the kernels' pointer slots)
 
 
 def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.attn_res import MAX_CANDIDATES as MAXN  # the kernels' pointer slots
 from k3.ops.triton_utils import cvt, env_tile
 
-MAXN = 9  # candidates per call: K3's output mix has 8 completed blocks + the running prefix
 TILE = (8, 256, 4)  # rows, columns, warps per program
 
 
@@ -141,6 +141,13 @@ def tile() -> tuple[int, ...]:
     return env_tile("K3_ATTNRES", ("BM", "BD", "WARPS"), TILE)
 
 
+def _launch(kernel, M: int, D: int, N: int, *args) -> None:  # noqa: ANN001
+    """One program per BM rows of the [M, D] candidates, N of them."""
+    bm, bd, warps = tile()
+    kernel[(triton.cdiv(M, bm),)](*args, N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm,
+                                  BD=min(bd, triton.next_power_of_2(D)), num_warps=warps)
+
+
 def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(ts) + [ts[0]] * (MAXN - len(ts))
 
@@ -156,11 +163,7 @@ class AttnResMix(torch.autograd.Function):
         w = (w_norm.float() * w_proj.float().reshape(-1)).contiguous()
         out = torch.empty(M, D, dtype=cands[-1].dtype, device=w.device)
         prs = torch.empty(3, N, M, dtype=torch.float32, device=w.device)
-        bm, bd, warps = tile()
-        bd = min(bd, triton.next_power_of_2(D))
-        _attn_res_fwd[(triton.cdiv(M, bm),)](*_slots(flat), w, out, prs[0], prs[1], prs[2], M, D, eps,
-                                               N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm, BD=bd,
-                                               num_warps=warps)
+        _launch(_attn_res_fwd, M, D, N, *_slots(flat), w, out, prs[0], prs[1], prs[2], M, D, eps)
         ctx.save_for_backward(w_norm, w_proj, w, prs, *flat)
         ctx.shapes = [c.shape for c in cands]
         return out.view(shape)
@@ -170,13 +173,9 @@ class AttnResMix(torch.autograd.Function):
         w_norm, w_proj, w, prs, *flat = ctx.saved_tensors
         (M, D), N = flat[0].shape, len(flat)
         grads = [torch.empty_like(c) for c in flat]
-        bm, bd, warps = tile()
-        bd = min(bd, triton.next_power_of_2(D))
-        programs = triton.cdiv(M, bm)
-        gwp = torch.empty(programs, D, dtype=torch.float32, device=w.device)
-        _attn_res_bwd[(programs,)](*_slots(flat), *_slots(grads), go.reshape(M, D).contiguous(), w,
-                                   prs[0], prs[1], prs[2], gwp, M, D,
-                                   N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm, BD=bd, num_warps=warps)
+        gwp = torch.empty(triton.cdiv(M, tile()[0]), D, dtype=torch.float32, device=w.device)  # one row a program
+        _launch(_attn_res_bwd, M, D, N, *_slots(flat), *_slots(grads), go.reshape(M, D).contiguous(), w,
+                prs[0], prs[1], prs[2], gwp, M, D)
         gw = gwp.sum(0)
         g_norm = (gw * w_proj.float().reshape(-1)).to(w_norm.dtype).reshape(w_norm.shape)
         g_proj = (gw * w_norm.float()).to(w_proj.dtype).reshape(w_proj.shape)
