@@ -23,7 +23,7 @@ for s in $sections; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
       { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
-          --embed-dtype bf16,fp32 --situ inductor,triton --attnres inductor,triton
+          --embed-dtype bf16,fp32 --situ triton,inductor --attnres triton,inductor
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
@@ -63,9 +63,11 @@ for s in $sections; do
       grep -E "^\||check" "$OUT/situ.txt" ;;
     trainer)  # the real `k3 train` loop (data loader, Quantile Balancing, clipping, logging) on k3-small's
       # recipe, over k3's own source as a small corpus: tokens/s and MFU per step from metrics.jsonl
-      rm -rf /tmp/k3run
+      # (k3's source is ~220K tokens: 2 x 64K micro-batches per step and a tenth held out, so every
+      # stage of the preset and the 8K validation rows fit)
+      rm -rf /tmp/k3run; echo '{"tokens_per_step": 131072, "val_fraction": 0.1}' > /tmp/k3run.json
       timeout ${TRAINER_S:-300} python -m k3 train --preset ${TRAINER_PRESET:-k3-small} --data k3 --max-steps ${TRAINER_STEPS:-8} \
-        --out /tmp/k3run 2>&1 | tr '\r' '\n' | quiet | tail -40 > "$OUT/trainer.txt"
+        --config /tmp/k3run.json --out /tmp/k3run 2>&1 | tr '\r' '\n' | quiet | tail -40 > "$OUT/trainer.txt"
       cp /tmp/k3run/metrics.jsonl "$OUT/trainer_metrics.jsonl" 2>/dev/null
       python -c "import json; [print({k: r.get(k) for k in ('step', 'seq_len', 'loss', 'tok_s', 'tflops', 'mfu')}) for r in map(json.loads, open('/tmp/k3run/metrics.jsonl')) if 'loss' in r]" 2>&1 | tail -12 ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager

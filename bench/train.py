@@ -109,7 +109,7 @@ def _variants(embed: str, situ: str, attnres: str) -> list[tuple[str, str, str]]
     then each listed alternative alone, then all the SiTU / AttnRes alternatives together (not the full
     product: each run costs warm-up steps)."""
     lists = {"--embed-dtype": embed.split(","), "--situ": situ.split(","), "--attnres": attnres.split(",")}
-    allowed = {"--embed-dtype": ("bf16", "fp32"), "--situ": ("inductor", "triton"), "--attnres": ("inductor", "triton")}
+    allowed = {"--embed-dtype": ("bf16", "fp32"), "--situ": ("triton", "inductor"), "--attnres": ("triton", "inductor")}
     for name, values in lists.items():
         bad = [v for v in values if v not in allowed[name]]
         if bad:
@@ -134,10 +134,12 @@ def main() -> None:
     ap.add_argument("--accum", default="1", help="comma-separated micro-batches (of --tokens each) per optimizer step")
     ap.add_argument("--embed-dtype", default="bf16",
                     help="comma-separated dtypes of the embeddings in the residual stream under autocast: bf16 (default), fp32")
-    ap.add_argument("--situ", default="inductor",
-                    help="comma-separated SiTU-GLU implementations (env K3_SITU): inductor (default), triton")
-    ap.add_argument("--attnres", default="inductor",
-                    help="comma-separated Block-AttnRes implementations (env K3_ATTNRES): inductor (default), triton")
+    ap.add_argument("--situ", default=None,
+                    help="comma-separated SiTU-GLU implementations (env K3_SITU): triton (the default on CUDA), "
+                         "inductor (the torch regions: the default on CPU)")
+    ap.add_argument("--attnres", default=None,
+                    help="comma-separated Block-AttnRes implementations (env K3_ATTNRES): triton (the default on "
+                         "CUDA), inductor (the torch regions: the default on CPU)")
     ap.add_argument("--doc-mean", type=int, default=0,
                     help="documents of random lengths with this mean (tokens) packed in the rows, as real corpora "
                          "give (MLA then attends per document; FLOPs counted per document); 0 = one per row")
@@ -163,7 +165,8 @@ def main() -> None:
     print("| KDA backend | embeddings | SiTU | AttnRes | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s "
           "| MFU (790) | MFU (989) | optimizer share | speed vs default |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    variants = _variants(args.embed_dtype, args.situ, args.attnres)
+    region = "triton" if device.type == "cuda" else "inductor"  # the model's own default per device
+    variants = _variants(args.embed_dtype, args.situ or region, args.attnres or region)
     runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",") for v in variants]
     base: dict[tuple, float] = {}  # step time of the default variant of each (T, backend, accum)
     for T, be, accum, res, situ, ar in runs:

@@ -352,10 +352,14 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES): "inductor" (default: the compiled / eager torch regions) or
-    "triton" (the kernels of k3.ops; read per call, so bench/train.py can compare both in one process).
-    Triton needs CUDA tensors or the interpreter."""
-    choice = os.environ.get(var, "inductor")
+    """Env `var` (K3_SITU, K3_ATTNRES) picks a region's training implementation: unset = the Triton
+    kernels of k3.ops for CUDA tensors under autograd (measured faster on an H200, docs/benchmarks.md),
+    the torch regions otherwise (CPU, inference: serving keeps its compiled graphs); "triton" = the
+    kernels also under the interpreter; "inductor" = always the compiled / eager torch regions. Read per
+    call, so bench/train.py can compare both in one process."""
+    choice = os.environ.get(var)
+    if choice is None:
+        return x.is_cuda and torch.is_grad_enabled()
     if choice not in ("inductor", "triton"):
         raise ValueError(f"{var} must be 'inductor' or 'triton', got {choice!r}")
     return choice == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -407,7 +411,8 @@ class Kernels:
     def glu_packed(self, ab: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
         """`glu` of gate and up packed as ab = [a | b] ([..., 2I], e.g. one GEMM's output) -> [..., I].
         Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation.
-        Env K3_SITU=triton runs SiTU as the Triton kernels of `k3.ops.situ` (CUDA, or the interpreter)."""
+        SiTU runs as the Triton kernels of `k3.ops.situ` when training on CUDA (env K3_SITU, see
+        `_triton_choice`)."""
         if act == "situ":
             if _triton_choice("K3_SITU", ab):
                 from k3.ops.situ import situ_glu
@@ -426,8 +431,8 @@ class Kernels:
         return _Norm.apply(x, weight, gate, float(eps), False, out_dtype, self)
 
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
-        """Block-AttnRes mix (see k3.model.common.attn_res_mix). Env K3_ATTNRES=triton runs it as the
-        Triton kernels of `k3.ops.attn_res` (CUDA, or the interpreter; up to MAX_CANDIDATES)."""
+        """Block-AttnRes mix (see k3.model.common.attn_res_mix): the Triton kernels of `k3.ops.attn_res`
+        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`)."""
         if len(cands) == 1:
             return cands[0]
         if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):

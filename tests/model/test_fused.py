@@ -348,9 +348,9 @@ def test_cuda_grouped_experts_match_the_loop():
     ex.zero_grad()
     ex.cuda()
     got = ex(z.cuda().bfloat16(), idx.cuda(), w.cuda())
-    got.backward(go.cuda())
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.cpu(), ref, atol=3e-2, rtol=3e-2)
+    assert got.dtype == torch.bfloat16  # the combine sums in fp32 and returns the experts' dtype
+    got.backward(go.cuda().bfloat16())
+    torch.testing.assert_close(got.float().cpu(), ref, atol=3e-2, rtol=3e-2)
     for p, g in zip(ex.parameters(), ref_grads):
         torch.testing.assert_close(p.grad.cpu(), g, atol=3e-2 * g.abs().max().item(), rtol=5e-2)
 
@@ -386,3 +386,25 @@ def _autocast(fn):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return fn(*args)
     return run
+
+
+def test_triton_regions_are_the_cuda_training_default(monkeypatch):
+    """Unset K3_SITU / K3_ATTNRES: the Triton kernels for CUDA tensors under autograd (timed faster on an
+    H200), the torch regions on CPU and in inference; the env forces either side."""
+    from types import SimpleNamespace
+
+    from k3.model.fused import _triton_choice
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    for var in ("K3_SITU", "K3_ATTNRES"):
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)
+        with torch.no_grad():
+            assert not _triton_choice(var, cuda)
+        monkeypatch.setenv(var, "inductor")
+        assert not _triton_choice(var, cuda)
+        monkeypatch.setenv(var, "triton")
+        assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert _triton_choice(var, cpu)

@@ -2,6 +2,7 @@
 final checkpoint loads in `k3 generate`."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -225,3 +226,24 @@ def test_gpu_recipe_on_a_cpu_is_announced():
         assert bool(msgs) == expect, msgs
         if expect:
             assert "524,288 tokens" in msgs[0] and "GPU recipe" in msgs[0]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"val_fraction": 0.2, "eval_seq_len": 4096}, "the validation split has"),
+    ({"val_fraction": 0.2, "tokens_per_step": 65536}, "a step of the 128-token stage needs 512"),
+])
+def test_a_corpus_too_small_for_the_recipe_is_refused_up_front(tmp_path, overrides, message):
+    """Every stage's step and one validation row must fit the splits; checked before training, so a long
+    run cannot stop at its stage switch (exit code 2, no traceback, nothing written)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(10):
+        (data / f"f{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j}\n" for j in range(40)))
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(overrides))
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "k3", "train", "--data", str(data), "--config", str(cfg), "--out",
+                        str(out)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "HOME": str(tmp_path)})
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and not out.exists()
