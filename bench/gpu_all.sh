@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres trainer
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine trainer
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -23,7 +23,7 @@ for s in $sections; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
     train)
       { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
-          --embed-dtype bf16,fp32 --situ triton,inductor --attnres triton,inductor
+          --embed-dtype bf16,fp32 --situ triton,inductor --attnres triton,inductor --combine triton,inductor
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
@@ -70,10 +70,13 @@ for s in $sections; do
         --config /tmp/k3run.json --out /tmp/k3run 2>&1 | tr '\r' '\n' | quiet | tail -40 > "$OUT/trainer.txt"
       cp /tmp/k3run/metrics.jsonl "$OUT/trainer_metrics.jsonl" 2>/dev/null
       python -c "import json; [print({k: r.get(k) for k in ('step', 'seq_len', 'loss', 'tok_s', 'tflops', 'mfu')}) for r in map(json.loads, open('/tmp/k3run/metrics.jsonl')) if 'loss' in r]" 2>&1 | tail -12 ;;
+    combine)  # MoE combine: Triton kernels vs the Inductor region vs eager
+      python bench/moe_combine.py --sweep 2>&1 | quiet > "$OUT/combine.txt"
+      grep -E "^\||check" "$OUT/combine.txt" ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, trainer)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, trainer)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

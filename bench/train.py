@@ -15,7 +15,7 @@ FLOPs per token (training = 3 x forward), counted from the config with the spec'
     MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context;
                                                                   per document with --doc-mean)
     KDA      per layer H * (6 * K^2 + 3 * C * K + C^2), C = 64     (chunked kernels, K = V)
-Variants (--embed-dtype, --situ, --attnres) run in one process after the default, with a
+Variants (--embed-dtype, --situ, --attnres, --combine) run in one process after the default, with a
 speed-vs-default column; --doc-mean packs documents of random lengths as a real corpus does.
 (Before 2026-12-01 06:30 UTC the KDA term was 2 * H * (4 * K * V + C * (K + V)): 0.54% more FLOPs per
 token for k3-small at T 8192, so the MFU values measured earlier are that much higher.)
@@ -32,6 +32,7 @@ import torch
 from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
+from k3.model.fused import TRITON_BY_DEFAULT
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 from k3.train import flops as train_flops
 
@@ -63,14 +64,21 @@ def document_offsets(rows: int, seq_len: int, mean_len: int, seed: int = 0) -> t
     return torch.tensor(cuts, dtype=torch.int32)
 
 
+# (flag, env var read by k3.model.fused, table column) of the regions with a Triton and a torch version
+REGIONS = (("--situ", "K3_SITU", "SiTU"), ("--attnres", "K3_ATTNRES", "AttnRes"), ("--combine", "K3_COMBINE", "combine"))
+
+
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,
-          embed: str = "bf16", situ: str = "inductor", attnres: str = "inductor", doc_mean: int = 0) -> dict:
+          embed: str = "bf16", regions: dict[str, str] | None = None, doc_mean: int = 0) -> dict:
     """One optimizer step = `accum` forward/backward passes of `tokens` tokens each; embed: the dtype
     the token embeddings enter the residual stream in under autocast ("bf16" = k3's default,
-    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); situ: the SiTU-GLU implementation (env K3_SITU); attnres: the Block-AttnRes one (env K3_ATTNRES); doc_mean > 0: documents of random lengths (that mean) in the rows."""
+    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); regions: env var of REGIONS ->
+    "triton" / "inductor" (unset: inductor); doc_mean > 0: documents of random lengths (that mean) in
+    the rows."""
     model.set_kda_backend(backend)
     model.model.fp32_embeddings = embed == "fp32"
-    os.environ["K3_SITU"], os.environ["K3_ATTNRES"] = situ, attnres
+    regions = {var: (regions or {}).get(var, "inductor") for _, var, _ in REGIONS}
+    os.environ.update(regions)
     B = max(1, tokens // seq_len)
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * seq_len + 1), device=device)
@@ -100,25 +108,28 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     muon = sorted(opt_t)[len(opt_t) // 2]
     tok_s = accum * B * seq_len / step
     tflops = tok_s * flops_per_token(model, seq_len, doc_lens) / 1e12
-    return {"backend": backend, "embed": embed, "situ": situ, "attnres": attnres, "docs": len(doc_lens), "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
+    return {"backend": backend, "embed": embed, "regions": regions, "docs": len(doc_lens), "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
             "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "mfu_peak": tflops * 1e12 / PEAK_BF16, "opt_share": muon / step}
 
 
-def _variants(embed: str, situ: str, attnres: str) -> list[tuple[str, str, str]]:
-    """The (embeddings dtype, SiTU, AttnRes) combinations to time: the first of each list (the default),
-    then each listed alternative alone, then all the SiTU / AttnRes alternatives together (not the full
-    product: each run costs warm-up steps)."""
-    lists = {"--embed-dtype": embed.split(","), "--situ": situ.split(","), "--attnres": attnres.split(",")}
-    allowed = {"--embed-dtype": ("bf16", "fp32"), "--situ": ("triton", "inductor"), "--attnres": ("triton", "inductor")}
-    for name, values in lists.items():
-        bad = [v for v in values if v not in allowed[name]]
+def _variants(embed: str, regions: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
+    """The (embeddings dtype, {region env var: implementation}) combinations to time: the first of each
+    comma-separated list (the default), then each listed alternative alone, then all the regions'
+    alternatives together when several regions have one (not the full product: each run costs
+    warm-up steps). regions: flag of REGIONS -> its list."""
+    lists = {"--embed-dtype": embed.split(",")} | {flag: regions[flag].split(",") for flag, _, _ in REGIONS}
+    for flag, values in lists.items():
+        allowed = ("bf16", "fp32") if flag == "--embed-dtype" else ("triton", "inductor")
+        bad = [v for v in values if v not in allowed]
         if bad:
-            raise SystemExit(f"{name}: expected one of {allowed[name]}, got {bad}")
-    e, s, a = lists.values()
-    out = [(e[0], s[0], a[0])] + [(x, s[0], a[0]) for x in e[1:]]
-    out += [(e[0], x, a[0]) for x in s[1:]] + [(e[0], s[0], x) for x in a[1:]]
-    if len(s) > 1 and len(a) > 1:
-        out.append((e[0], s[-1], a[-1]))
+            raise SystemExit(f"{flag}: expected one of {allowed}, got {bad}")
+    env = {flag: var for flag, var, _ in REGIONS}
+    first = {env[f]: v[0] for f, v in lists.items() if f in env}
+    out = [(e, first) for e in lists["--embed-dtype"]]
+    alts = [(env[f], x) for f, v in lists.items() if f in env for x in v[1:]]
+    out += [(lists["--embed-dtype"][0], first | {var: x}) for var, x in alts]
+    if len({var for var, _ in alts}) > 1:
+        out.append((lists["--embed-dtype"][0], first | dict(alts)))
     return out
 
 
@@ -134,12 +145,10 @@ def main() -> None:
     ap.add_argument("--accum", default="1", help="comma-separated micro-batches (of --tokens each) per optimizer step")
     ap.add_argument("--embed-dtype", default="bf16",
                     help="comma-separated dtypes of the embeddings in the residual stream under autocast: bf16 (default), fp32")
-    ap.add_argument("--situ", default=None,
-                    help="comma-separated SiTU-GLU implementations (env K3_SITU): triton (the default on CUDA), "
-                         "inductor (the torch regions: the default on CPU)")
-    ap.add_argument("--attnres", default=None,
-                    help="comma-separated Block-AttnRes implementations (env K3_ATTNRES): triton (the default on "
-                         "CUDA), inductor (the torch regions: the default on CPU)")
+    for flag, var, col in REGIONS:
+        ap.add_argument(flag, default=None,
+                        help=f"comma-separated {col} implementations (env {var}): triton, inductor (the torch "
+                             "regions); default: the model's own choice on this device (k3.model.fused)")
     ap.add_argument("--doc-mean", type=int, default=0,
                     help="documents of random lengths with this mean (tokens) packed in the rows, as real corpora "
                          "give (MLA then attends per document; FLOPs counted per document); 0 = one per row")
@@ -162,23 +171,26 @@ def main() -> None:
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
           f"{tokens} tokens per micro-batch; median of {args.steps} steps; "
           f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
-    print("| KDA backend | embeddings | SiTU | AttnRes | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s "
+    cols = " | ".join(col for _, _, col in REGIONS)
+    print(f"| KDA backend | embeddings | {cols} | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s "
           "| MFU (790) | MFU (989) | optimizer share | speed vs default |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    region = "triton" if device.type == "cuda" else "inductor"  # the model's own default per device
-    variants = _variants(args.embed_dtype, args.situ or region, args.attnres or region)
+    print("|---|---|" + "---|" * len(REGIONS) + "---:|" * 11)
+    # the model's own choice per device (k3.model.fused): Triton for the timed-faster regions on CUDA
+    own = {var: "triton" if device.type == "cuda" and var in TRITON_BY_DEFAULT else "inductor" for _, var, _ in REGIONS}
+    variants = _variants(args.embed_dtype, {flag: getattr(args, flag[2:]) or own[var] for flag, var, _ in REGIONS})
     runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",") for v in variants]
     base: dict[tuple, float] = {}  # step time of the default variant of each (T, backend, accum)
-    for T, be, accum, res, situ, ar in runs:
+    for T, be, accum, res, regions in runs:
+        impls = " | ".join(regions[var] for _, var, _ in REGIONS)
         try:
-            r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, situ, ar, args.doc_mean)
+            r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, regions, args.doc_mean)
         except Exception as e:  # noqa: BLE001 - one failing variant (e.g. a kernel that does not compile) must not cost the others
             opt.zero_grad(set_to_none=True)
-            print(f"| {be} | {res} | {situ} | {ar} | | {T} | | {accum} | FAILED: {type(e).__name__}: "
+            print(f"| {be} | {res} | {impls} | | {T} | | {accum} | FAILED: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:120] if str(e) else ''} | | | | | | |", flush=True)
             continue
         ref = base.setdefault((T, be, accum), r["step_ms"])  # the first variant of a group is the default
-        print(f"| {r['backend']} | {r['embed']} | {r['situ']} | {r['attnres']} | {r['docs']} | {r['T']} | {r['B']} | "
+        print(f"| {r['backend']} | {r['embed']} | {impls} | {r['docs']} | {r['T']} | {r['B']} | "
               f"{r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
               f"{r['mfu_peak']:.1%} | {r['opt_share']:.1%} | {ref / r['step_ms']:.3f} |", flush=True)
 

@@ -351,15 +351,20 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 # the table
 
 
+# regions whose Triton kernels were timed faster than the torch regions in the training step (H200)
+TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE")
+
+
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES) picks a region's training implementation: unset = the Triton
-    kernels of k3.ops for CUDA tensors under autograd (measured faster on an H200, docs/benchmarks.md),
-    the torch regions otherwise (CPU, inference: serving keeps its compiled graphs); "triton" = the
-    kernels also under the interpreter; "inductor" = always the compiled / eager torch regions. Read per
-    call, so bench/train.py can compare both in one process."""
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE) picks a region's training implementation. Unset: for
+    the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
+    (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference, where
+    serving keeps its compiled graphs). "triton": the kernels, also under the interpreter; "inductor":
+    always the compiled / eager torch regions. Read per call, so bench/train.py compares both in one
+    process."""
     choice = os.environ.get(var)
     if choice is None:
-        return x.is_cuda and torch.is_grad_enabled()
+        return var in TRITON_BY_DEFAULT and x.is_cuda and torch.is_grad_enabled()
     if choice not in ("inductor", "triton"):
         raise ValueError(f"{var} must be 'inductor' or 'triton', got {choice!r}")
     return choice == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -445,7 +450,13 @@ class Kernels:
 
     def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:
         """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L], summed
-        in fp32 and cast to y's dtype (the spec: bf16 expert outputs, fp32 weighted sum, cast to bf16)."""
+        in fp32 and cast to y's dtype (the spec: bf16 expert outputs, fp32 weighted sum, cast to bf16).
+        The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env K3_COMBINE, see
+        `_triton_choice`)."""
+        if _triton_choice("K3_COMBINE", y):
+            from k3.ops.moe_combine import moe_combine
+
+            return moe_combine(y, w, inv)
         return _Combine.apply(y, w, order, inv, self)
 
 

@@ -167,8 +167,8 @@ def test_attn_res_triton_switch(monkeypatch):
 
 
 def test_model_with_the_triton_regions_matches_default(monkeypatch):
-    """k3-tiny loss and every parameter gradient with K3_SITU=triton and K3_ATTNRES=triton (the Triton
-    kernels; the interpreter without CUDA) equal the default regions' in fp32."""
+    """k3-tiny loss and every parameter gradient with K3_SITU, K3_ATTNRES and K3_COMBINE = triton (the
+    Triton kernels; the interpreter without CUDA) equal the torch regions' in fp32."""
     from k3.model.causal_lm import K3ForCausalLM
 
     if not torch.cuda.is_available():
@@ -188,9 +188,11 @@ def test_model_with_the_triton_regions_matches_default(monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    for var in ("K3_SITU", "K3_ATTNRES", "K3_COMBINE"):
+        monkeypatch.setenv(var, "inductor")
     loss0, g0 = run()
-    monkeypatch.setenv("K3_SITU", "triton")
-    monkeypatch.setenv("K3_ATTNRES", "triton")
+    for var in ("K3_SITU", "K3_ATTNRES", "K3_COMBINE"):
+        monkeypatch.setenv(var, "triton")
     loss1, g1 = run()
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     assert g1.keys() == g0.keys()
@@ -389,14 +391,15 @@ def _autocast(fn):
 
 
 def test_triton_regions_are_the_cuda_training_default(monkeypatch):
-    """Unset K3_SITU / K3_ATTNRES: the Triton kernels for CUDA tensors under autograd (timed faster on an
-    H200), the torch regions on CPU and in inference; the env forces either side."""
+    """Unset K3_SITU / K3_ATTNRES / K3_COMBINE: the Triton kernels for CUDA tensors under autograd (timed
+    faster on an H200), the torch regions on CPU and in inference; the env forces either side."""
     from types import SimpleNamespace
 
-    from k3.model.fused import _triton_choice
+    from k3.model.fused import TRITON_BY_DEFAULT, _triton_choice
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    for var in ("K3_SITU", "K3_ATTNRES"):
+    assert set(TRITON_BY_DEFAULT) == {"K3_SITU", "K3_ATTNRES", "K3_COMBINE"}
+    for var in TRITON_BY_DEFAULT:
         monkeypatch.delenv(var, raising=False)
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)

@@ -1,0 +1,98 @@
+"""MoE combine (each token's k expert outputs, weighted and summed), forward and forward+backward, on
+one GPU: k3's Triton kernels (`k3.ops.moe_combine`, the training default on CUDA) against the compiled
+(Inductor) region the model used before and eager PyTorch, on k3-small's shape at 65,536 tokens (top-8 of 64 experts, width
+512) and kimi-k3's at 8,192 tokens (top-16 of 896, width 3,584).
+
+Prints ms, achieved GB/s (minimal bytes: forward reads y [N*k, L] and writes [N, L]; backward reads
+y and the output gradient and writes y's gradient) and the fraction of 4.3 TB/s, and the ratio to
+the Inductor region from the same run. Correctness first: the Triton output and gradients against
+the torch region on the first shape.
+
+Usage: python bench/moe_combine.py [--tokens 65536] [--sweep]
+       python bench/moe_combine.py --tiny --device cpu     # smoke run under the Triton interpreter
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench._regions import device_name, parse, sweep, timer  # noqa: E402
+
+HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+
+
+def shapes(tokens: int) -> list[tuple[str, int, int, int, int]]:
+    """(name, tokens N, choices k, experts E, width L)."""
+    from k3.config import get_preset
+
+    small, big = get_preset("k3-small").text_config, get_preset("kimi-k3").text_config
+    return [("k3-small", tokens, small.num_experts_per_token, small.num_experts, small.routed_expert_hidden_size),
+            ("kimi-k3", max(1, tokens // 8), big.num_experts_per_token, big.num_experts, big.routed_expert_hidden_size)]
+
+
+def check(fns: dict, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor) -> None:
+    outs = {}
+    for name in ("k3 triton", "inductor"):
+        yy, ww = y.detach().requires_grad_(), w.detach().requires_grad_()
+        out = fns[name](yy, ww)
+        out.backward(go)
+        outs[name] = (out.float(), yy.grad.float(), ww.grad)
+    errs = [((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(outs["k3 triton"], outs["inductor"])]
+    print(f"check ({list(y.shape)} bf16, vs the torch region): out {errs[0]:.2e}, dy {errs[1]:.2e}, dw {errs[2]:.2e}")
+    if max(errs) > 1e-2:
+        raise SystemExit("combine check FAILED")
+
+
+def main(argv=None) -> int:
+    args = parse(__doc__, argv, "64 tokens")
+    if args.tiny:
+        args.tokens = 64
+    bench = timer(args.device)
+    from k3.model.fused import EAGER, Kernels, sort_slots
+    from k3.ops.moe_combine import moe_combine
+
+    os.environ["K3_COMBINE"] = "inductor"  # the torch regions for the rows that go through Kernels
+    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
+    print(f"# MoE combine, bf16 expert outputs, fp32 weights, {device_name(args.device)}, torch {torch.__version__}")
+    print("| shape N x k x L | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | "
+          "inductor / impl |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for i, (name, N, k, E, L) in enumerate(shapes(args.tokens)):
+        torch.manual_seed(0)
+        idx = torch.rand(N, E, device=args.device).topk(k, dim=1).indices
+        order, inv = sort_slots(idx)
+        fns = {"k3 triton": lambda y, w: moe_combine(y, w, inv),
+               "inductor": lambda y, w: compiled.combine(y, w, order, inv),
+               "eager torch": lambda y, w: EAGER.combine(y, w, order, inv)}
+        y = torch.randn(N * k, L, device=args.device, dtype=torch.bfloat16).requires_grad_()
+        w = torch.rand(N, k, device=args.device).requires_grad_()
+        go = torch.randn(N, L, device=args.device, dtype=torch.bfloat16)
+        if i == 0:
+            check(fns, y, w, go)
+        fwd_bytes, bwd_bytes = (N * k + N) * L * 2, (2 * N * k + N) * L * 2
+        res = {}
+        for impl, fn in fns.items():
+            fwd = bench(lambda fn=fn: fn(y, w))
+            both = bench(lambda fn=fn: fn(y, w).backward(go), grad_to_none=[y, w])
+            res[impl] = (fwd, both)
+        base = res["inductor"][1]
+        for impl, (fwd, both) in res.items():
+            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
+            print(f"| {name} {N} x {k} x {L} | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
+                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        if args.sweep and i == 0:
+            fn = fns["k3 triton"]
+            sweep("K3_COMBINE", ("BN", "BL", "WARPS"), [(8, 256, 4), (4, 512, 4), (16, 256, 8), (8, 512, 8),
+                                                       (2, 512, 4), (16, 128, 4), (32, 128, 8), (4, 256, 2)],
+                  lambda: fn(y, w).backward(go), [y, w], fwd_bytes + bwd_bytes, bench)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
