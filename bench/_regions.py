@@ -10,6 +10,8 @@ from typing import Callable
 
 import torch
 
+HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+
 
 def parse(doc: str, argv=None, tiny_help: str = "small shapes") -> argparse.Namespace:  # noqa: ANN001
     """--tokens, --sweep, --device, --tiny; a CPU device switches Triton to its interpreter."""
@@ -59,3 +61,42 @@ def sweep(prefix: str, names: tuple[str, ...], tiles: list[tuple[int, ...]], ste
             for key in env:
                 os.environ.pop(key)
     print()
+
+
+def report(label: str, res: dict[str, tuple[float, float]], fwd_bytes: int, bwd_bytes: int) -> None:
+    """One table row per implementation: res = {impl: (fwd ms, fwd+bwd ms)}; GB/s for the minimal bytes,
+    fraction of HBM, and the speed ratio to the "inductor" row of the same shape."""
+    base = res["inductor"][1]
+    for impl, (fwd, both) in res.items():
+        gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
+        print(f"| {label} | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
+              f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+
+
+def start(doc: str, argv, var: str, tiny_help: str):  # noqa: ANN001, ANN201
+    """Flags, timer, and the compiled torch regions (Kernels) for the benchmark of region env `var`: the
+    env is pinned to "inductor" so the rows that go through Kernels time the torch regions."""
+    from k3.model.fused import Kernels
+
+    args = parse(doc, argv, tiny_help)
+    os.environ[var] = "inductor"
+    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
+    return args, timer(args.device), compiled
+
+
+def header(title: str, first_col: str, device: str) -> None:
+    print(f"# {title}, {device_name(device)}, torch {torch.__version__}")
+    print(f"| {first_col} | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof "
+          "| inductor / impl |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def time_impls(impls: dict[str, Callable], inputs: tuple, go: torch.Tensor, leaves: list, bench: Callable
+               ) -> dict[str, tuple[float, float]]:
+    """{impl: (forward ms, forward+backward ms)} of each impl(*inputs), backward with `go`."""
+    res = {}
+    for impl, fn in impls.items():
+        fwd = bench(lambda fn=fn: fn(*inputs))
+        both = bench(lambda fn=fn: fn(*inputs).backward(go), grad_to_none=leaves)
+        res[impl] = (fwd, both)
+    return res

@@ -21,9 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._regions import device_name, parse, sweep, timer  # noqa: E402
+from bench._regions import header, report, start, sweep, time_impls  # noqa: E402
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 EPS = 1e-5
 
 
@@ -50,24 +49,17 @@ def check(cands, w_norm, w_proj) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse(__doc__, argv, "small shapes")
-    bench = timer(args.device)
-    from k3.model.fused import EAGER, Kernels
+    args, bench, compiled = start(__doc__, argv, "K3_ATTNRES", "small shapes")
+    from k3.model.fused import EAGER
     from k3.ops.attn_res import attn_res_mix
 
-    os.environ["K3_ATTNRES"] = "inductor"  # the torch regions for the rows that go through Kernels
-    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     impls = {"k3 triton": lambda c, wn, wp: attn_res_mix(c, wn, wp, EPS),
              "inductor": lambda c, wn, wp: compiled.attn_res(c, wn, wp, EPS),
              "eager torch": lambda c, wn, wp: EAGER.attn_res(c, wn, wp, EPS)}
     shapes = [(2, args.tokens, 1024), (3, args.tokens, 1024), (4, args.tokens, 1024), (9, 8192, 7168)]
     if args.tiny:
         shapes = [(2, 33, 96), (4, 17, 300)]
-    name = device_name(args.device)
-    print(f"# Block-AttnRes mix, bf16, {name}, torch {torch.__version__}")
-    print("| candidates x [M, D] | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof "
-          "| inductor / impl |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    header("Block-AttnRes mix, bf16", "candidates x [M, D]", args.device)
     for k, (n, M, D) in enumerate(shapes):
         cands, w_norm, w_proj = inputs(n, M, D, args.device)
         go = torch.randn(M, D, device=args.device, dtype=torch.bfloat16)
@@ -75,16 +67,8 @@ def main(argv=None) -> int:
             check(cands, w_norm, w_proj)
         fwd_bytes, bwd_bytes = (n + 1) * M * D * 2, (2 * n + 1) * M * D * 2
         leaves = [*cands, w_norm, w_proj]
-        res = {}
-        for impl, fn in impls.items():
-            fwd = bench(lambda fn=fn: fn(cands, w_norm, w_proj))
-            both = bench(lambda fn=fn: fn(cands, w_norm, w_proj).backward(go), grad_to_none=leaves)
-            res[impl] = (fwd, both)
-        base = res["inductor"][1]
-        for impl, (fwd, both) in res.items():
-            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
-            print(f"| {n} x [{M}, {D}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
-                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        res = time_impls(impls, (cands, w_norm, w_proj), go, leaves, bench)
+        report(f"{n} x [{M}, {D}]", res, fwd_bytes, bwd_bytes)
         if args.sweep and n == 4:
             fn = impls["k3 triton"]
             sweep("K3_ATTNRES", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),

@@ -21,9 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._regions import device_name, parse, sweep, timer  # noqa: E402
+from bench._regions import header, report, start, sweep, time_impls  # noqa: E402
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 
 
 def shapes(tokens: int) -> list[tuple[str, int, int, int, int]]:
@@ -50,19 +49,13 @@ def check(fns: dict, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor) -> None
 
 
 def main(argv=None) -> int:
-    args = parse(__doc__, argv, "64 tokens")
+    args, bench, compiled = start(__doc__, argv, "K3_COMBINE", "64 tokens")
     if args.tiny:
         args.tokens = 64
-    bench = timer(args.device)
-    from k3.model.fused import EAGER, Kernels, sort_slots
+    from k3.model.fused import EAGER, sort_slots
     from k3.ops.moe_combine import moe_combine
 
-    os.environ["K3_COMBINE"] = "inductor"  # the torch regions for the rows that go through Kernels
-    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
-    print(f"# MoE combine, bf16 expert outputs, fp32 weights, {device_name(args.device)}, torch {torch.__version__}")
-    print("| shape N x k x L | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | "
-          "inductor / impl |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    header("MoE combine, bf16 expert outputs, fp32 weights", "shape N x k x L", args.device)
     for i, (name, N, k, E, L) in enumerate(shapes(args.tokens)):
         torch.manual_seed(0)
         idx = torch.rand(N, E, device=args.device).topk(k, dim=1).indices
@@ -76,16 +69,8 @@ def main(argv=None) -> int:
         if i == 0:
             check(fns, y, w, go)
         fwd_bytes, bwd_bytes = (N * k + N) * L * 2, (2 * N * k + N) * L * 2
-        res = {}
-        for impl, fn in fns.items():
-            fwd = bench(lambda fn=fn: fn(y, w))
-            both = bench(lambda fn=fn: fn(y, w).backward(go), grad_to_none=[y, w])
-            res[impl] = (fwd, both)
-        base = res["inductor"][1]
-        for impl, (fwd, both) in res.items():
-            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
-            print(f"| {name} {N} x {k} x {L} | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
-                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        res = time_impls(fns, (y, w), go, [y, w], bench)
+        report(f"{name} {N} x {k} x {L}", res, fwd_bytes, bwd_bytes)
         if args.sweep and i == 0:
             fn = fns["k3 triton"]
             sweep("K3_COMBINE", ("BN", "BL", "WARPS"), [(8, 256, 4), (4, 512, 4), (16, 256, 8), (8, 512, 8),

@@ -20,9 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench._regions import device_name, parse, sweep, timer  # noqa: E402
+from bench._regions import header, report, start, sweep, time_impls  # noqa: E402
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 BETA, BETA_LIN = 4.0, 25.0
 
 
@@ -48,22 +47,16 @@ def check(ab: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse(__doc__, argv, "64 tokens")
+    args, bench, compiled = start(__doc__, argv, "K3_SITU", "64 tokens")
     if args.tiny:
         args.tokens = 64
-    bench = timer(args.device)
-    from k3.model.fused import EAGER, Kernels
+    from k3.model.fused import EAGER
     from k3.ops.situ import situ_glu
 
-    os.environ["K3_SITU"] = "inductor"  # the torch regions for the rows that go through Kernels
-    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     impls = {"k3 triton": lambda ab: situ_glu(ab, BETA, BETA_LIN),
              "inductor": lambda ab: compiled.glu_packed(ab, "situ", BETA, BETA_LIN),
              "eager torch": lambda ab: EAGER.glu_packed(ab, "situ", BETA, BETA_LIN)}
-    name = device_name(args.device)
-    print(f"# SiTU-GLU, bf16, {name}, torch {torch.__version__}")
-    print("| shape | impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | inductor / impl |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    header("SiTU-GLU, bf16", "shape", args.device)
     for i, (name, M, I) in enumerate(shapes(args.tokens)):
         torch.manual_seed(0)
         ab = (torch.randn(M, 2 * I, device=args.device) * 3).to(torch.bfloat16).requires_grad_()
@@ -71,16 +64,8 @@ def main(argv=None) -> int:
         if i == 0:
             check(ab.detach())
         fwd_bytes, bwd_bytes = M * 3 * I * 2, M * 5 * I * 2
-        res = {}
-        for impl, fn in impls.items():
-            fwd = bench(lambda fn=fn: fn(ab))
-            both = bench(lambda fn=fn: fn(ab).backward(go), grad_to_none=[ab])
-            res[impl] = (fwd, both)
-        base = res["inductor"][1]
-        for impl, (fwd, both) in res.items():
-            gf, gb = fwd_bytes / fwd / 1e6, (fwd_bytes + bwd_bytes) / both / 1e6
-            print(f"| {name} [{M}, {2 * I}] | {impl} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | "
-                  f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
+        res = time_impls(impls, (ab,), go, [ab], bench)
+        report(f"{name} [{M}, {2 * I}]", res, fwd_bytes, bwd_bytes)
         if args.sweep and i == 0:
             fn = impls["k3 triton"]
             sweep("K3_SITU", ("BM", "BI", "WARPS"), [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8),
