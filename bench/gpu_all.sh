@@ -40,7 +40,7 @@ for s in $sections; do
       python bench/kda.py --quick --sections train,decode 2>&1 | quiet > "$OUT/kda.txt"
       grep -E "^\|" "$OUT/kda.txt" ;;
     trainprof)  # where a compiled k3-small training step spends its time
-      { python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host --by-shape
+      { python bench/profile_step.py --phases train,optim --compile --rows 45 --tokens 65536 --host --by-shape --by-node
         python bench/profile_step.py --phases train --compile --rows 25 --tokens 65536 --doc-mean 1500; } 2>&1 | quiet \
         > "$OUT/trainprof.txt"
       grep -E "^## " "$OUT/trainprof.txt" ;;

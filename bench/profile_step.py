@@ -46,8 +46,43 @@ def _report(name: str, prof, wall: float, device: torch.device, rows: int, by_sh
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
+NODE = "autograd::engine::evaluate_function: "
+
+
+def by_node(prof, device: torch.device) -> dict[tuple[str, str], list[float]]:
+    """{(autograd node, operator): [self ms, calls]}: each operator's self time (kernels on CUDA, host
+    on CPU) charged to the backward node whose evaluation ran it ("forward" outside the backward).
+    Gradient accumulation (a tensor read by several consumers) runs inside the node that produced the
+    gradient, so an `add_` row names the consumer whose gradient was summed."""
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or not getattr(e, key):
+            continue
+        node, p = "forward", e.cpu_parent
+        if e.name.startswith(NODE):  # the engine's own time around a node
+            node, p = e.name[len(NODE):], None
+        while p is not None:
+            if p.name.startswith(NODE):
+                node = p.name[len(NODE):]
+                break
+            p = p.cpu_parent
+        row = out.setdefault((node, e.name), [0.0, 0])
+        row[0] += getattr(e, key) / 1e3
+        row[1] += 1
+    return out
+
+
+def _report_by_node(name: str, prof, device: torch.device, rows: int) -> None:
+    table = sorted(by_node(prof, device).items(), key=lambda kv: -kv[1][0])
+    what = "kernel" if device.type == "cuda" else "host"
+    print(f"\n## {name} (by autograd node: {what} self time)\n| node | operator | ms | calls |\n|---|---|---:|---:|")
+    for (node, op), (ms, n) in table[:rows]:
+        print(f"| {node[:70]} | {op[:60]} | {ms:.3f} | {n} |")
+
+
 def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool = False, host: bool = False,
-                  trace: str | None = None) -> None:
+                  trace: str | None = None, nodes: bool = False) -> None:
     fn()
     _sync(device)  # warm-up (Triton compiles, allocator)
     t0 = time.perf_counter()
@@ -69,6 +104,8 @@ def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool
         _report(name + " (by input shape)", prof, wall, device, rows, by_shape=True)
     if host:
         _report(name + " (by host time: what the CPU spends issuing the work)", prof, wall, device, rows, host=True)
+    if nodes:
+        _report_by_node(name, prof, device, rows)
 
 
 def _trace_path(folder: str | None, phase: str) -> str | None:
@@ -95,6 +132,8 @@ def main() -> None:
                     help="train phase: documents of random lengths with this mean packed in the rows (0 = one per row)")
     ap.add_argument("--by-shape", action="store_true", help="also a table grouped by operator input shapes")
     ap.add_argument("--host", action="store_true", help="also a table sorted by host (CPU) self time")
+    ap.add_argument("--by-node", action="store_true",
+                    help="train phase: also a table of operator time per autograd node (who causes each add_ / cat)")
     ap.add_argument("--trace", default=None, help="folder for a Chrome trace (.json) of each phase")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -129,7 +168,7 @@ def main() -> None:
 
     if "train" in phases:
         profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device, args.rows, args.by_shape,
-                      args.host, _trace_path(args.trace, "train"))
+                      args.host, _trace_path(args.trace, "train"), args.by_node)
     if "optim" in phases:
         fwd_bwd()
         profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows,

@@ -42,3 +42,14 @@ def test_bench_triton_regions_cpu(script, header):
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "check (" in r.stdout and header in r.stdout
+
+
+def test_profile_step_by_node_cpu():
+    """bench/profile_step.py --by-node: operator time charged to autograd nodes; the profiled call runs
+    with gradients already present (as micro-batches after the first), so AccumulateGrad's add_ shows."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--tiny", "--device", "cpu",
+                        "--phases", "train", "--by-node", "--rows", "200"], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "(by autograd node: host self time)" in r.stdout
+    assert "| torch::autograd::AccumulateGrad | aten::add_ |" in r.stdout and "| forward | aten::mm |" in r.stdout
