@@ -7,7 +7,8 @@ dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path 
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
 --sweep also times the fused and the split backward (env K3_CONV_BWD) with other program tiles
-(env K3_CONV_BWD_{BT,BC,WARPS}, read per call by k3/ops/short_conv/triton_conv.py) on the same inputs.
+(env K3_CONV_BWD_{BT,BC,WARPS}, read per call by k3/ops/short_conv/triton_conv.py) and the split
+backward's dz scratch in x's dtype (env K3_CONV_DZ=half) on the same inputs.
 
 Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
 """
@@ -44,17 +45,21 @@ def check(streams: int) -> None:
     cu = torch.tensor([0, 1, 700, 701, 2048, 3000], device="cuda", dtype=torch.int32)
     x = torch.randn(1, T, streams * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(streams * C, 1, 4, device="cuda") * 0.5).requires_grad_()
-    out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = short_conv_silu_reference(xr, wr, cu).reshape(1, T, streams, C).permute(2, 0, 1, 3)
     do = torch.randn_like(ref)
-    out.backward(do.to(out.dtype))
     ref.backward(do)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    e = (rel(out, ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
-    print(f"check (bf16 vs float64, T {T}, 5 documents): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
-    if max(e) > 1e-2:
-        raise SystemExit("short conv check FAILED")
+    for dz in ("fp32", "half"):  # the split backward's dz scratch (env K3_CONV_DZ)
+        os.environ["K3_CONV_DZ"] = dz
+        x.grad = w.grad = None
+        out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
+        out.backward(do.to(out.dtype))
+        e = (rel(out, ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
+        print(f"check (bf16 vs float64, T {T}, 5 documents, dz {dz}): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
+        if max(e) > 1e-2:
+            raise SystemExit("short conv check FAILED")
+    os.environ.pop("K3_CONV_DZ")
 
 
 def main(argv=None) -> int:
@@ -108,19 +113,21 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
     """fwd+bwd of k3's kernels for backward tiles (BT rows, BC channels, warps); the forward stays."""
     from triton.testing import do_bench
 
-    print("\n| bwd | bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---|---:|---:|---:|---:|---:|")
-    tiles = [("fused", 32, 128, 4), ("fused", 32, 64, 4), ("fused", 128, 64, 8)]
-    tiles += [("split", bt, bc, wp) for bt, bc, wp in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8),
-                                                         (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
-    for mode, bt, bc, warps in tiles:
-        env = {"K3_CONV_BWD": mode, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
-               "K3_CONV_BWD_WARPS": str(warps)}
+    print("\n| bwd | dz | bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---|---|---:|---:|---:|---:|---:|")
+    tiles = [("fused", "-", 32, 128, 4), ("fused", "-", 32, 64, 4), ("fused", "-", 128, 64, 8)]
+    tiles += [("split", "fp32", bt, bc, wp) for bt, bc, wp in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8),
+                                                                 (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
+    # the dz scratch in x's dtype (env K3_CONV_DZ=half): half its bytes
+    tiles += [("split", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 256, 4)]]
+    for mode, dz, bt, bc, warps in tiles:
+        env = {"K3_CONV_BWD": mode, "K3_CONV_DZ": "fp32" if dz == "-" else dz, "K3_CONV_BWD_BT": str(bt),
+               "K3_CONV_BWD_BC": str(bc), "K3_CONV_BWD_WARPS": str(warps)}
         os.environ.update(env)
         try:
             ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=[x, w])
-            print(f"| {mode} | {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
+            print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
         except Exception as ex:  # a tile that does not compile: report and go on
-            print(f"| {mode} | {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
+            print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
         finally:
             for k in env:
                 os.environ.pop(k)

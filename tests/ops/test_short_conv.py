@@ -51,11 +51,19 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-@pytest.fixture(params=["fused", "split"])
+@pytest.fixture(params=["fused", "split", "split-half-dz"])
 def bwd(request, monkeypatch):
-    """Both backward kernels: fused (default) and split (dz scratch, then dx / dw)."""
-    monkeypatch.setenv("K3_CONV_BWD", request.param)
+    """The backward kernels: fused, split (default: an fp32 dz scratch, then dx / dw), and split with the
+    scratch in x's dtype (K3_CONV_DZ=half)."""
+    monkeypatch.setenv("K3_CONV_BWD", request.param.split("-")[0])
+    monkeypatch.setenv("K3_CONV_DZ", "half" if request.param.endswith("half-dz") else "fp32")
     return request.param
+
+
+def test_bf16_packed_documents(bwd):
+    """bf16 inputs through every backward (the half-dtype dz scratch only differs from fp32 here): within
+    bf16 tolerance of float64, across 64-row block edges."""
+    _check(1, 150, 3, 48, 4, torch.bfloat16, cu=[0, 1, 3, 63, 66, 128, 129, 150], sliced=True)
 
 
 def test_packed_documents_with_short_ones(bwd):
@@ -83,6 +91,10 @@ def test_tile_knobs(monkeypatch):
     monkeypatch.setenv("K3_CONV_BWD", "fast")
     x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
     with pytest.raises(ValueError, match="K3_CONV_BWD must be"):
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV)).sum().backward()
+    monkeypatch.setenv("K3_CONV_BWD", "split")
+    monkeypatch.setenv("K3_CONV_DZ", "bf16")
+    with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
         short_conv_silu(x, torch.randn(12, 1, 4, device=DEV)).sum().backward()
 
 

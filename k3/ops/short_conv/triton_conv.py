@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import env_tile
+from k3.ops.triton_utils import cvt, env_tile
 
 # (rows, channels, warps) per program. Backward: the split kernels with 64-row blocks measured fastest
 # (H200, 65,536 tokens x 3,072 channels bf16, fwd+bwd: split 64/128/4 1.88 ms, split 32/128/4 2.26 ms,
@@ -81,7 +81,8 @@ def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
                     VB: tl.constexpr, VT: tl.constexpr, DZ: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """y = conv(x) per row. Forward: out [S, B, T, C] = SiLU(y). DZ (split backward, pass 1):
-    out [B, T, SC] fp32 = dz = dout * SiLU'(y), dout in the [S, B, T, C] layout."""
+    out [B, T, SC] (fp32, or x's dtype with K3_CONV_DZ=half) = dz = dout * SiLU'(y), dout in the
+    [S, B, T, C] layout."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -95,7 +96,7 @@ def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
     if DZ:
         dy = tl.load(dout + off, mask=m, other=0.0).to(tl.float32)
         tl.store(out + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
-                 dy * sg * (1.0 + y * (1.0 - sg)), mask=m)
+                 cvt(dy * sg * (1.0 + y * (1.0 - sg)), out.dtype.element_ty), mask=m)
     else:
         tl.store(out + off, (y * sg).to(out.dtype.element_ty), mask=m)
 
@@ -125,7 +126,7 @@ def _short_conv_bwd(x, w, starts, dout, dz, dx, dw_part, B, T, sxb_v, sxt_v,
             m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
         m = m_out[:, None] & m_c[None, :]
         if SPLIT:
-            d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0)
+            d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0).to(tl.float32)
         else:
             y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
             dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m, other=0.0).to(tl.float32)
@@ -144,6 +145,15 @@ def _bwd_mode() -> str:
     if mode not in ("fused", "split"):
         raise ValueError(f"K3_CONV_BWD must be 'fused' or 'split', got {mode!r}")
     return mode
+
+
+def _dz_dtype(x: torch.Tensor) -> torch.dtype:
+    """The split backward's dz scratch: fp32 (default), or env K3_CONV_DZ=half for x's dtype -- half the
+    scratch bytes (its write and the W shifted reads), at one more rounding of dz before dx and dw."""
+    mode = os.environ.get("K3_CONV_DZ", "fp32")
+    if mode not in ("fp32", "half"):
+        raise ValueError(f"K3_CONV_DZ must be 'fp32' or 'half', got {mode!r}")
+    return torch.float32 if mode == "fp32" else x.dtype
 
 
 def _strides(x: torch.Tensor) -> dict:
@@ -200,7 +210,7 @@ class ShortConvSiLU(torch.autograd.Function):
         strides = _strides(x)
         dz = dout  # not read by the fused kernel (SPLIT=False), which recomputes dz
         if split:
-            dz = torch.empty(B, T, SC, device=x.device, dtype=torch.float32)
+            dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
             _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **strides,
                                   SC=SC, C=C, W=W, HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         _short_conv_bwd[grid](x, weight, st, dout, dz, dx, dw_part, B, T, **strides, SC=SC, C=C, W=W,
