@@ -37,7 +37,7 @@ from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 from k3.train import flops as train_flops
 
 ROOFLINE_BF16 = 790e12  # measured H200 bf16 matmul ceiling
-PEAK_BF16 = 989e12  # H200 dense bf16 datasheet peak (torchtitan / Megatron MFU convention)
+PEAK_BF16 = train_flops.PEAK_BF16["H200"]  # dense bf16 datasheet peak (torchtitan / Megatron MFU convention)
 
 
 def flops_per_token(model: K3ForCausalLM, seq_len: int, doc_lens: list[int] | None = None) -> float:

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
+from k3.ops.moe_combine import moe_combine
+from k3.ops.situ import situ_glu
 
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype
@@ -420,8 +422,6 @@ class Kernels:
         `_triton_choice`)."""
         if act == "situ":
             if _triton_choice("K3_SITU", ab):
-                from k3.ops.situ import situ_glu
-
                 return situ_glu(ab, beta, beta_lin)
             return _SiTUPacked.apply(ab, float(beta), float(beta_lin), self)
         a, b = ab.chunk(2, dim=-1)
@@ -454,8 +454,6 @@ class Kernels:
         The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env K3_COMBINE, see
         `_triton_choice`)."""
         if _triton_choice("K3_COMBINE", y):
-            from k3.ops.moe_combine import moe_combine
-
             return moe_combine(y, w, inv)
         return _Combine.apply(y, w, order, inv, self)
 
