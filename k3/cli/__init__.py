@@ -48,7 +48,8 @@ def _user_error(e: Exception) -> bool:
     from k3.config import ConfigError
     from k3.model.safetensors_io import CheckpointError
 
-    return isinstance(e, (FileNotFoundError, NotADirectoryError, PermissionError, ConfigError, CheckpointError))
+    return isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, ConfigError,
+                          CheckpointError))
 
 
 if __name__ == "__main__":

@@ -56,13 +56,9 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.out:
         print("error: --resume needs --out DIR (the run to continue)", file=sys.stderr)
         return 2
-    try:
-        cfg = build_config(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # a preset too large for this machine, a changed config on --resume, nothing to resume, a missing
-    # corpus: k3.cli.main turns them into one error line and exit code 2
+    # a bad config value or file, a preset too large for this machine, a changed config on --resume,
+    # nothing to resume, a missing corpus: k3.cli.main turns them into one error line and exit code 2
+    cfg = build_config(args)
     result = train(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
     if result.interrupted:
         print(f"interrupted; resume with: k3 train --out {result.out_dir} --resume", file=sys.stderr)

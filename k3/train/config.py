@@ -9,6 +9,8 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3.config import ConfigError
+
 
 @dataclass
 class Stage:
@@ -75,7 +77,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         def bad(name: str, rule: str) -> None:
-            raise ValueError(f"train config {name}={getattr(self, name)!r}: {rule}")
+            raise ConfigError(f"train config {name}={getattr(self, name)!r}: {rule}")
 
         if self.max_steps < 1:
             bad("max_steps", "must be >= 1")
@@ -121,7 +123,7 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown train config keys {unknown}; known: {sorted(names)}")
+            raise ConfigError(f"unknown train config keys {unknown}; known: {sorted(names)}")
         d = PRESET_DEFAULTS.get(d.get("preset", cls.preset), {}) | dict(d)
         if "stages" in d:
             d["stages"] = [s if isinstance(s, Stage) else Stage(**s) for s in d["stages"]]
@@ -176,7 +178,7 @@ def load_overrides(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return tomllib.loads(data.decode()) if path.endswith(".toml") else json.loads(data)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot parse overrides ({e})") from None
+        raise ConfigError(f"{path}: cannot parse overrides ({e})") from None
 
 
 def stage_at(cfg: TrainConfig, step: int) -> int:

@@ -44,10 +44,10 @@ def prepare_data(cfg: TrainConfig, model_config: K3Config, log: Callable[[str], 
     prep = prepare_streams(cfg.data, cache_dir=cfg.cache_dir, tokenizer=cfg.tokenizer, vocab_size=vocab,
                            val_fraction=cfg.val_fraction, split_seed=cfg.seed)
     if prep.tokenizer.vocab_size != model_config.text_config.vocab_size:
-        raise ValueError(f"tokenizer vocab {prep.tokenizer.vocab_size} != model vocab_size "
+        raise ConfigError(f"tokenizer vocab {prep.tokenizer.vocab_size} != model vocab_size "
                          f"{model_config.text_config.vocab_size}; set vocab_size in the model overrides")
     if prep.val is None:
-        raise ValueError("the corpus is too small for a validation split (need >= 2 documents)")
+        raise ConfigError("the corpus is too small for a validation split (need >= 2 documents)")
     _check_splits_fit(cfg, prep.train.num_tokens, prep.val.num_tokens)
     first = cfg.stages[0].seq_len
     loader = PackedLoader(prep.train, first, cfg.tokens_per_step // first, seed=cfg.seed)
