@@ -185,11 +185,13 @@ def test_cli_resume_needs_only_the_run_directory(corpus, tmp_path):
     (["--config", "{cfg}"], "train config lr=-1: learning rates must be positive"),
     (["--data", "{missing}"], "no such file or folder"),
     (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--config", "{tmp}"], "Is a directory"),
+    (["--config", "{missing}"], "No such file or directory"),
 ])
 def test_cli_bad_input_is_a_message_and_leaves_nothing(tmp_path, argv, message):
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"lr": -1}))
-    argv = [a.format(cfg=cfg, missing=tmp_path / "missing") for a in argv]
+    argv = [a.format(cfg=cfg, missing=tmp_path / "missing", tmp=tmp_path) for a in argv]
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "k3", "train", "--out", str(out), *argv], capture_output=True,
                        text=True, timeout=300)
