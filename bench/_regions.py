@@ -73,13 +73,13 @@ def report(label: str, res: dict[str, tuple[float, float]], fwd_bytes: int, bwd_
               f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
 
 
-def start(doc: str, argv, var: str, tiny_help: str):  # noqa: ANN001, ANN201
-    """Flags, timer, and the compiled torch regions (Kernels) for the benchmark of region env `var`: the
-    env is pinned to "inductor" so the rows that go through Kernels time the torch regions."""
+def start(doc: str, argv, var: str | tuple[str, ...], tiny_help: str):  # noqa: ANN001, ANN201
+    """Flags, timer, and the compiled torch regions (Kernels) for the benchmark of region env `var` (or
+    several): each is pinned to "inductor" so the rows that go through Kernels time the torch regions."""
     from k3.model.fused import Kernels
 
     args = parse(doc, argv, tiny_help)
-    os.environ[var] = "inductor"
+    os.environ.update({v: "inductor" for v in ((var,) if isinstance(var, str) else var)})
     compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     return args, timer(args.device), compiled
 

@@ -1,12 +1,14 @@
-"""MoE combine (each token's k expert outputs, weighted and summed), forward and forward+backward, on
-one GPU: k3's Triton kernels (`k3.ops.moe_combine`, the training default on CUDA) against the compiled
-(Inductor) region the model used before and eager PyTorch, on k3-small's shape at 65,536 tokens (top-8 of 64 experts, width
-512) and kimi-k3's at 8,192 tokens (top-16 of 896, width 3,584).
+"""MoE combine (each token's k expert outputs, weighted and summed) and dispatch (each token's row to its
+k expert-sorted slots), forward and forward+backward, on one GPU: k3's Triton kernels
+(`k3.ops.moe_combine`) against the compiled (Inductor) regions of the model and eager PyTorch, on
+k3-small's shape at 65,536 tokens (top-8 of 64 experts, width 512) and kimi-k3's at 8,192 tokens
+(top-16 of 896, width 3,584).
 
-Prints ms, achieved GB/s (minimal bytes: forward reads y [N*k, L] and writes [N, L]; backward reads
-y and the output gradient and writes y's gradient) and the fraction of 4.3 TB/s, and the ratio to
-the Inductor region from the same run. Correctness first: the Triton output and gradients against
-the torch region on the first shape.
+Prints ms, achieved GB/s (minimal bytes -- combine: forward reads y [N*k, L] and writes [N, L],
+backward reads y and the output gradient and writes y's gradient; dispatch: forward reads [N, L] and
+writes [N*k, L], backward the reverse) and the fraction of 4.3 TB/s, and the ratio to the Inductor
+region from the same run. Correctness first: the Triton outputs and gradients against the torch
+regions on the first shape.
 
 Usage: python bench/moe_combine.py [--tokens 65536] [--sweep]
        python bench/moe_combine.py --tiny --device cpu     # smoke run under the Triton interpreter
@@ -34,28 +36,29 @@ def shapes(tokens: int) -> list[tuple[str, int, int, int, int]]:
             ("kimi-k3", max(1, tokens // 8), big.num_experts_per_token, big.num_experts, big.routed_expert_hidden_size)]
 
 
-def check(fns: dict, y: torch.Tensor, w: torch.Tensor, go: torch.Tensor) -> None:
+def check(what: str, fns: dict, inputs: tuple, go: torch.Tensor) -> None:
     outs = {}
     for name in ("k3 triton", "inductor"):
-        yy, ww = y.detach().requires_grad_(), w.detach().requires_grad_()
-        out = fns[name](yy, ww)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        out = fns[name](*leaves)
         out.backward(go)
-        outs[name] = (out.float(), yy.grad.float(), ww.grad)
+        outs[name] = [out.float()] + [t.grad.float() for t in leaves]
     errs = [((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
             for a, b in zip(outs["k3 triton"], outs["inductor"])]
-    print(f"check ({list(y.shape)} bf16, vs the torch region): out {errs[0]:.2e}, dy {errs[1]:.2e}, dw {errs[2]:.2e}")
+    print(f"check {what} ({list(inputs[0].shape)} bf16, vs the torch region): "
+          + ", ".join(f"{n} {e:.2e}" for n, e in zip(("out", "grad 1", "grad 2"), errs)))
     if max(errs) > 1e-2:
-        raise SystemExit("combine check FAILED")
+        raise SystemExit(f"{what} check FAILED")
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, "K3_COMBINE", "64 tokens")
+    args, bench, compiled = start(__doc__, argv, ("K3_COMBINE", "K3_DISPATCH"), "64 tokens")
     if args.tiny:
         args.tokens = 64
     from k3.model.fused import EAGER, sort_slots
-    from k3.ops.moe_combine import moe_combine
+    from k3.ops.moe_combine import moe_combine, moe_dispatch
 
-    header("MoE combine, bf16 expert outputs, fp32 weights", "shape N x k x L", args.device)
+    header("MoE combine / dispatch, bf16 rows, fp32 weights", "op, shape N x k x L", args.device)
     for i, (name, N, k, E, L) in enumerate(shapes(args.tokens)):
         torch.manual_seed(0)
         idx = torch.rand(N, E, device=args.device).topk(k, dim=1).indices
@@ -66,11 +69,19 @@ def main(argv=None) -> int:
         y = torch.randn(N * k, L, device=args.device, dtype=torch.bfloat16).requires_grad_()
         w = torch.rand(N, k, device=args.device).requires_grad_()
         go = torch.randn(N, L, device=args.device, dtype=torch.bfloat16)
+        z = torch.randn(N, L, device=args.device, dtype=torch.bfloat16).requires_grad_()
+        dfns = {"k3 triton": lambda z: moe_dispatch(z, inv, k),
+                "inductor": lambda z: compiled.dispatch(z, order, inv, k),
+                "eager torch": lambda z: EAGER.dispatch(z, order, inv, k)}
+        gs = torch.randn(N * k, L, device=args.device, dtype=torch.bfloat16)
         if i == 0:
-            check(fns, y, w, go)
+            check("combine", fns, (y, w), go)
+            check("dispatch", dfns, (z,), gs)
         fwd_bytes, bwd_bytes = (N * k + N) * L * 2, (2 * N * k + N) * L * 2
         res = time_impls(fns, (y, w), go, [y, w], bench)
-        report(f"{name} {N} x {k} x {L}", res, fwd_bytes, bwd_bytes)
+        report(f"combine {name} {N} x {k} x {L}", res, fwd_bytes, bwd_bytes)
+        res = time_impls(dfns, (z,), gs, [z], bench)
+        report(f"dispatch {name} {N} x {k} x {L}", res, (N * k + N) * L * 2, (N * k + N) * L * 2)
         if args.sweep and i == 0:
             fn = fns["k3 triton"]
             sweep("K3_COMBINE", ("BN", "BL", "WARPS"), [(8, 256, 4), (4, 512, 4), (16, 256, 8), (8, 512, 8),

@@ -65,7 +65,8 @@ def document_offsets(rows: int, seq_len: int, mean_len: int, seed: int = 0) -> t
 
 
 # (flag, env var read by k3.model.fused, table column) of the regions with a Triton and a torch version
-REGIONS = (("--situ", "K3_SITU", "SiTU"), ("--attnres", "K3_ATTNRES", "AttnRes"), ("--combine", "K3_COMBINE", "combine"))
+REGIONS = (("--situ", "K3_SITU", "SiTU"), ("--attnres", "K3_ATTNRES", "AttnRes"), ("--combine", "K3_COMBINE", "combine"),
+           ("--dispatch", "K3_DISPATCH", "dispatch"))
 
 
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
-from k3.ops.moe_combine import moe_combine
+from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.situ import situ_glu
 
 # --------------------------------------------------------------------------------------------
@@ -354,11 +354,11 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # regions whose Triton kernels were timed faster than the torch regions in the training step (H200)
-TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE")
+TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH")
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE) picks a region's training implementation. Unset: for
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH) picks a region's training implementation. Unset: for
     the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
     (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference, where
     serving keeps its compiled graphs). "triton": the kernels, also under the interpreter; "inductor":
@@ -445,7 +445,10 @@ class Kernels:
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
-        """See :func:`dispatch`."""
+        """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env
+        K3_DISPATCH, see `_triton_choice`)."""
+        if _triton_choice("K3_DISPATCH", z):
+            return moe_dispatch(z, inv, k)
         return _Dispatch.apply(z, order, inv, k, self)
 
     def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""MoE combine Triton kernels against the spec (float64) and the model's torch region (bf16).
+"""MoE combine and dispatch Triton kernels against the spec (float64) and the model's torch regions (bf16).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (CI); on a GPU the same tests
 plus a k3-small-sized case marked `gpu`.
@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from k3.model.fused import EAGER, sort_slots  # noqa: E402
-from k3.ops.moe_combine import moe_combine  # noqa: E402
-from k3.ops.moe_combine.reference import moe_combine_reference  # noqa: E402
+from k3.ops.moe_combine import moe_combine, moe_dispatch  # noqa: E402
+from k3.ops.moe_combine.reference import moe_combine_reference, moe_dispatch_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,9 +81,72 @@ def test_bad_inputs_raise():
         moe_combine(y.double(), w, inv)
 
 
+@pytest.mark.parametrize("N,k,L", [(37, 3, 70), (8, 1, 256), (5, 8, 513), (0, 2, 8)])
+def test_dispatch_fp32_against_float64(N, k, L):
+    """Dispatch copies rows exactly; its backward (fp32 k-way sums) within fp32 rounding of float64."""
+    _, _, _, inv = _inputs(N, k, L, E=2 * k + 1, dtype=torch.float32)
+    z = torch.randn(N, L, device=DEV)
+    g = torch.randn(N * k, L, dtype=torch.float64, device=DEV)
+    zt, zr = z.clone().requires_grad_(), z.double().requires_grad_()
+    out, ref = moe_dispatch(zt, inv, k), moe_dispatch_reference(zr, inv, k)
+    out.backward(g.float())
+    ref.backward(g)
+    assert out.shape == (N * k, L) and out.dtype == torch.float32 and zt.grad.dtype == torch.float32
+    assert torch.equal(out.double(), ref)
+    if N:
+        assert (zt.grad.double() - zr.grad).abs().max().item() <= 1e-6 * max(1.0, zr.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dispatch_half_matches_the_model_region(dtype, monkeypatch):
+    """bf16 / fp16: the same rows as the torch region and the same fp32 k-way gradient sums, to one
+    rounding of the storage dtype; int32 slot indices."""
+    monkeypatch.setenv("K3_DISPATCH", "inductor")
+    N, k, L = 45, 4, 96
+    _, _, order, inv = _inputs(N, k, L, E=9, dtype=dtype, seed=2)
+    z = torch.randn(N, L, device=DEV).to(dtype)
+    g = torch.randn(N * k, L, device=DEV).to(dtype)
+    zt, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    out, ref = moe_dispatch(zt, inv.int(), k), EAGER.dispatch(zr, order, inv, k)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(out, ref) and zt.grad.dtype == dtype
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(zt.grad.float(), zr.grad.float(), rtol=ulp, atol=ulp * zr.grad.abs().max().item())
+
+
+def test_dispatch_bad_inputs_raise():
+    _, _, _, inv = _inputs(4, 2, 8, E=4, dtype=torch.float32)
+    z = torch.randn(4, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"inv must be \[6\]"):
+        moe_dispatch(z[:-1], inv, 2)
+    with pytest.raises(ValueError, match="expected z"):
+        moe_dispatch(z[None], inv, 2)
+    with pytest.raises(ValueError, match="k >= 1"):
+        moe_dispatch(z, inv, 0)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        moe_dispatch(z, inv.float(), 2)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        moe_dispatch(z.double(), inv, 2)
+
+
+def test_model_routes_dispatch_through_the_kernels(monkeypatch):
+    """Kernels.dispatch with K3_DISPATCH=triton (interpreter on the CPU) equals the torch region."""
+    _, _, order, inv = _inputs(16, 2, 8, E=5, dtype=torch.float32, seed=3)
+    z = torch.randn(16, 8, device=DEV, requires_grad=True)
+    monkeypatch.setenv("K3_DISPATCH", "triton")
+    a = EAGER.dispatch(z, order, inv, 2)
+    monkeypatch.setenv("K3_DISPATCH", "inductor")
+    b = EAGER.dispatch(z, order, inv, 2)
+    assert a.grad_fn is not None and type(a.grad_fn).__name__ != type(b.grad_fn).__name__
+    assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
-def test_k3_small_size_on_gpu():
-    """65,536 tokens x 8 choices of 64 experts, L 512 bf16: agrees with the torch region."""
+def test_k3_small_size_on_gpu(monkeypatch):
+    """65,536 tokens x 8 choices of 64 experts, L 512 bf16: agrees with the torch regions."""
+    monkeypatch.setenv("K3_COMBINE", "inductor")
+    monkeypatch.setenv("K3_DISPATCH", "inductor")
     N, k, L = 65536, 8, 512
     idx = torch.rand(N, 64, device=DEV).topk(k, dim=1).indices
     order, inv = sort_slots(idx)
@@ -96,3 +159,11 @@ def test_k3_small_size_on_gpu():
     torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * ref.abs().max().item())
     torch.testing.assert_close(gy.float(), ry.float(), rtol=ulp, atol=0.0)
     torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-4 * rw.abs().max().item())
+    z = torch.randn(N, L, device=DEV, dtype=torch.bfloat16)
+    zt, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    gs = torch.randn(N * k, L, device=DEV, dtype=torch.bfloat16)
+    out, ref = moe_dispatch(zt, inv, k), EAGER.dispatch(zr, order, inv, k)
+    out.backward(gs)
+    ref.backward(gs)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(zt.grad.float(), zr.grad.float(), rtol=ulp, atol=ulp * zr.grad.abs().max().item())

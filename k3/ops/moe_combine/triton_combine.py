@@ -18,7 +18,9 @@ TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of b
 
 
 @triton.jit
-def _combine_fwd(Y, W, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr):
+def _combine_fwd(Y, W, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
+                 HAS_W: tl.constexpr):
+    """OUT[n] = sum_j w[n, j] y[inv[n*k + j]] (without HAS_W unit weights: the dispatch backward)."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rl = tl.program_id(1) * BL + tl.arange(0, BL)
     mn = rn < N
@@ -27,9 +29,11 @@ def _combine_fwd(Y, W, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl
     acc = tl.zeros([BN, BL], dtype=tl.float32)
     for j in tl.static_range(K):
         slot = tl.load(INV + tok * K + j, mask=mn, other=0).to(tl.int64)
-        wj = tl.load(W + tok * K + j, mask=mn, other=0.0)
         yj = tl.load(Y + slot[:, None] * L + rl[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += wj[:, None] * yj
+        if HAS_W:
+            acc += tl.load(W + tok * K + j, mask=mn, other=0.0)[:, None] * yj
+        else:
+            acc += yj
     tl.store(OUT + tok[:, None] * L + rl[None, :], cvt(acc, OUT.dtype.element_ty), mask=m)
 
 
@@ -52,6 +56,20 @@ def _combine_bwd(Y, W, INV, GO, GY, GWP, N, L, K: tl.constexpr, BN: tl.constexpr
         tl.store(GY + slot[:, None] * L + rl[None, :], cvt(wj[:, None] * go, GY.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _dispatch_fwd(Z, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr):
+    """OUT[inv[n*k + j]] = z[n] for every choice j: each token row read once, each slot written once."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rl = tl.program_id(1) * BL + tl.arange(0, BL)
+    mn = rn < N
+    m = mn[:, None] & (rl < L)[None, :]
+    tok = rn.to(tl.int64)
+    z = tl.load(Z + tok[:, None] * L + rl[None, :], mask=m, other=0.0)
+    for j in tl.static_range(K):
+        slot = tl.load(INV + tok * K + j, mask=mn, other=0).to(tl.int64)
+        tl.store(OUT + slot[:, None] * L + rl[None, :], z, mask=m)
+
+
 def tile() -> tuple[int, ...]:
     """(tokens, columns, warps) per program: TILE, or env K3_COMBINE_{BN,BL,WARPS} (read per call, so
     bench/moe_combine.py --sweep can time several in one process); powers of two."""
@@ -71,7 +89,30 @@ def combine_fwd(y: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Te
     if N == 0 or L == 0:
         return out
     grid, bn, bl, warps = _grid(N, L)
-    _combine_fwd[grid](y, w, inv, out, N, L, K=k, BN=bn, BL=bl, num_warps=warps)
+    _combine_fwd[grid](y, w, inv, out, N, L, K=k, BN=bn, BL=bl, HAS_W=True, num_warps=warps)
+    return out
+
+
+def dispatch_fwd(z: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """z [N, L], inv [N*k] (contiguous) -> [N*k, L] in z's dtype, row inv[n*k + j] = z[n]."""
+    N, L = z.shape
+    out = z.new_empty(N * k, L)
+    if N == 0 or L == 0:
+        return out
+    grid, bn, bl, warps = _grid(N, L)
+    _dispatch_fwd[grid](z, inv, out, N, L, K=k, BN=bn, BL=bl, num_warps=warps)
+    return out
+
+
+def dispatch_bwd(g: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """g [N*k, L] contiguous -> [N, L] in g's dtype: each token's k slot rows summed in fp32, j = 0 .. k-1."""
+    L = g.shape[1]
+    N = g.shape[0] // k
+    out = g.new_empty(N, L)
+    if N == 0 or L == 0:
+        return out.zero_()
+    grid, bn, bl, warps = _grid(N, L)
+    _combine_fwd[grid](g, g, inv, out, N, L, K=k, BN=bn, BL=bl, HAS_W=False, num_warps=warps)
     return out
 
 
@@ -86,6 +127,19 @@ def combine_bwd(y: torch.Tensor, w: torch.Tensor, inv: torch.Tensor, go: torch.T
     parts = torch.empty(grid[1], N, k, dtype=torch.float32, device=y.device)
     _combine_bwd[grid](y, w, inv, go, gy, parts, N, L, K=k, BN=bn, BL=bl, num_warps=warps)
     return gy, parts.sum(0)
+
+
+class MoEDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, inv, k):  # noqa: ANN001 - autograd signature
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return dispatch_fwd(z, inv, k)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001
+        (inv,) = ctx.saved_tensors
+        return dispatch_bwd(g.contiguous(), inv, ctx.k), None, None
 
 
 class MoECombine(torch.autograd.Function):
