@@ -52,7 +52,8 @@ for s in $sections; do
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
       grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
     variants)  # KDA kernel variants (env switches): numerics vs float64, fwd / fwd+bwd times, per-kernel profile
-      python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} 2>&1 | quiet > "$OUT/variants.txt"
+      # (KDA_ARGS="--shape 65536,8 --docs 8": k3-small's micro-batch instead of B1 T8192 H96)
+      python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} ${KDA_ARGS:-} 2>&1 | quiet > "$OUT/variants.txt"
       grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
     shortconv)  # fused short conv + SiLU vs the transpose + cuDNN depthwise conv path
       { python bench/short_conv.py --sweep --tokens 65536

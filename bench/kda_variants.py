@@ -2,11 +2,12 @@
 
 For each variant: relative errors of o and every gradient against the float64 recurrence on a
 small input with the timing configuration's kernel specialisation (H96 D128 bf16, pre-gated g,
-qk-L2 in kernel), then fwd and fwd+bwd times at B1 T8192 H96 D128.  The variant named "default"
+qk-L2 in kernel), then fwd and fwd+bwd times at B1 T8192 H96 D128 (--shape T,H and --docs N: e.g.
+k3-small's micro-batch, 65536,8 in 8 documents).  The variant named "default"
 also gets the no-grad forward and a per-kernel profile.  A decode sweep (tile width / warps) ends
 the run.  Prints one line per measurement (flushes), so a run cut short still reports.
 
-Usage: python bench/kda_variants.py [--variants default,st1] [--decode] [--check-T 512]
+Usage: python bench/kda_variants.py [--variants default,st1] [--decode] [--check-T 512] [--shape 65536,8 --docs 8]
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ VARIANTS = {
     "default": {},  # split forward intra (scan decay) + split backward since 2026-12-01
     "v1fused": {"K3_KDA_FWD_INTRA": "v1", "K3_KDA_BWD_INTRA": "fused"},  # the defaults before
     "bv128w8": {"K3_KDA_BV": "128", "K3_KDA_WARPS_STATE": "8"},
+    "bv64": {"K3_KDA_BV": "64"},
+    "bv32": {"K3_KDA_BV": "32"},
+    "bv16": {"K3_KDA_BV": "16"},
     "bv64w8": {"K3_KDA_BV": "64", "K3_KDA_WARPS_STATE": "8"},
     "bwdw8": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8"},
     "bwdw8r": {"K3_KDA_BWD_INTRA": "fused", "K3_KDA_WARPS_BWD": "8", "K3_KDA_AP_PREC_BWD": "tf32r"},
@@ -85,10 +89,14 @@ def inputs(T, H=96, D=128, seed=0):
     return [q, k, v, g, beta]
 
 
+CU = {}  # "big": cu_seqlens of the timed input (--docs), set by main
+
+
 def k3_call(x):
     from k3.ops.kda.chunk import chunk_kda
 
-    return chunk_kda(*x, lower_bound=-5.0, use_qk_l2norm_in_kernel=True)[0]
+    cu = CU.get("big") if x[0].shape[1] == CU.get("T") else None
+    return chunk_kda(*x, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
 
 def reference(x):
@@ -111,7 +119,7 @@ def errors(x, ref) -> dict:
     return e
 
 
-def run_variant(name, env, ref, xs, xb, do_big):
+def run_variant(name, env, ref, xs, xb, do_big, label):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -122,7 +130,7 @@ def run_variant(name, env, ref, xs, xb, do_big):
             ", ".join(f"{n} {v:.2e}" for n, v in e.items()) + ("  OK" if worst < 2e-2 else "  FAILED"))
         fwd = bench(lambda: k3_call(xb))
         both = bench(lambda: k3_call(xb).backward(do_big))
-        line = f"[{name}] B1 T8192 H96 D128: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
+        line = f"[{name}] {label}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms"
         if name == "default" or name.startswith("fwdv2") or name.startswith("fwdsplit"):
             with torch.no_grad():
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
@@ -180,7 +188,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--check-T", type=int, default=512)
+    ap.add_argument("--shape", default="8192,96", help="T,H of the timed input (B 1, D 128)")
+    ap.add_argument("--docs", type=int, default=1, help="equal documents in the timed row (cu_seqlens)")
     args = ap.parse_args(argv)
+    T, H = (int(x) for x in args.shape.split(","))
+    if T % args.docs:
+        raise SystemExit(f"--docs {args.docs} does not divide T {T}")
     import triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -193,10 +206,13 @@ def main(argv=None) -> int:
         xs = inputs(args.check_T, seed=1)
         ref = reference(xs)
         log(f"reference (B1 T{args.check_T} H96 D128 float64) {time.time() - t0:.0f} s")
-        xb = inputs(8192)
+        xb = inputs(T, H=H)
+        if args.docs > 1:
+            CU.update(big=torch.arange(0, T + 1, T // args.docs, device="cuda", dtype=torch.int32), T=T)
         do_big = torch.randn_like(xb[2])
+        label = f"B1 T{T} H{H} D128" + (f" ({args.docs} documents)" if args.docs > 1 else "")
         for name in names:
-            run_variant(name, VARIANTS[name], ref, xs, xb, do_big)
+            run_variant(name, VARIANTS[name], ref, xs, xb, do_big, label)
             torch.cuda.empty_cache()
     log(f"total {time.time() - t0:.0f} s")
     return 0
