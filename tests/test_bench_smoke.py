@@ -41,7 +41,7 @@ def test_bench_triton_regions_cpu(script, header):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--device", "cpu"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "check (" in r.stdout and header in r.stdout
+    assert "check " in r.stdout and header in r.stdout
 
 
 def test_profile_step_by_node_cpu():
