@@ -8,7 +8,8 @@ Correctness first: forward and both gradients against the float64 loops on a sma
 
 --sweep also times the fused and the split backward (env K3_CONV_BWD) with other program tiles
 (env K3_CONV_BWD_{BT,BC,WARPS}, read per call by k3/ops/short_conv/triton_conv.py) and the split
-backward's dz scratch in x's dtype (env K3_CONV_DZ=half) on the same inputs.
+backward's dz scratch in fp32 and in x's dtype (env K3_CONV_DZ=fp32 / half; the default for bf16 is
+x's dtype) on the same inputs.
 
 Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
 """
@@ -28,12 +29,21 @@ HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 
 
 def torch_path(x: torch.Tensor, w: torch.Tensor, streams: int) -> torch.Tensor:
-    """The PyTorch baseline: [1, T, S*C] -> [S, 1, T, C] (documents ignored: a lower bound on its cost)."""
+    """The PyTorch baseline: [1, T, S*C] -> [S, 1, T, C] (documents ignored: a lower bound on its cost;
+    its gradient comes as one [S, 1, T, C] tensor, so no stack of the stream gradients is timed)."""
     T, SC = x.shape[1:]
     W = w.shape[-1]
     y = F.conv1d(x.transpose(1, 2).float(), w, padding=W - 1, groups=SC)[..., :T]
     z = F.silu(y).to(x.dtype)  # [1, SC, T]
     return z.reshape(streams, SC // streams, T).transpose(1, 2).unsqueeze(1).contiguous()
+
+
+def backward(out: torch.Tensor | tuple[torch.Tensor, ...], do: torch.Tensor) -> None:
+    """do [S, B, T, C] into one [S, B, T, C] output or S [B, T, C] ones (k3's: do[s] is no copy)."""
+    if isinstance(out, tuple):
+        torch.autograd.backward(out, list(do.unbind(0)))
+    else:
+        out.backward(do)
 
 
 def check(streams: int) -> None:
@@ -50,12 +60,12 @@ def check(streams: int) -> None:
     do = torch.randn_like(ref)
     ref.backward(do)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    for dz in ("fp32", "half"):  # the split backward's dz scratch (env K3_CONV_DZ)
+    for dz in ("fp32", "half"):  # the split backward's dz scratch (env K3_CONV_DZ; bf16 default: half)
         os.environ["K3_CONV_DZ"] = dz
         x.grad = w.grad = None
         out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
-        out.backward(do.to(out.dtype))
-        e = (rel(out, ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
+        backward(out, do.to(x.dtype))
+        e = (rel(torch.stack(out), ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
         print(f"check (bf16 vs float64, T {T}, 5 documents, dz {dz}): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
         if max(e) > 1e-2:
             raise SystemExit("short conv check FAILED")
@@ -92,7 +102,7 @@ def main(argv=None) -> int:
     res = {}
     for name, fn in impls.items():
         fwd = do_bench(fn, warmup=25, rep=100)
-        both = do_bench(lambda fn=fn: fn().backward(do), warmup=25, rep=100, grad_to_none=[full, w])
+        both = do_bench(lambda fn=fn: backward(fn(), do), warmup=25, rep=100, grad_to_none=[full, w])
         res[name] = (fwd, both)
     layout = f"rows of a {width}-wide tensor" if width > SC else "contiguous"
     print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16 ({layout}), {args.docs} documents, "
@@ -117,14 +127,14 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
     tiles = [("fused", "-", 32, 128, 4), ("fused", "-", 32, 64, 4), ("fused", "-", 128, 64, 8)]
     tiles += [("split", "fp32", bt, bc, wp) for bt, bc, wp in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8),
                                                                  (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
-    # the dz scratch in x's dtype (env K3_CONV_DZ=half): half its bytes
+    # the dz scratch in x's dtype (env K3_CONV_DZ=half, the bf16 default): half its bytes
     tiles += [("split", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 256, 4)]]
     for mode, dz, bt, bc, warps in tiles:
         env = {"K3_CONV_BWD": mode, "K3_CONV_DZ": "fp32" if dz == "-" else dz, "K3_CONV_BWD_BT": str(bt),
                "K3_CONV_BWD_BC": str(bc), "K3_CONV_BWD_WARPS": str(warps)}
         os.environ.update(env)
         try:
-            ms = do_bench(lambda: fn().backward(do), warmup=25, rep=100, grad_to_none=[x, w])
+            ms = do_bench(lambda: backward(fn(), do), warmup=25, rep=100, grad_to_none=[x, w])
             print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
         except Exception as ex:  # a tile that does not compile: report and go on
             print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)

@@ -78,15 +78,17 @@ def _conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.devi
 
 
 def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, streams: int,
-                      kernels: Kernels = EAGER) -> torch.Tensor:
+                      kernels: Kernels = EAGER) -> tuple[torch.Tensor, ...]:
     """`causal_conv_silu` for a forward without history (training, fresh prefill), as one depthwise
     conv1d over the whole row in fp32, then SiLU, cast, and a split into `streams` equal parts.
 
     x: [B, T, S*C] any layout (e.g. a slice of a fused projection); weight [S*C, 1, W] fp32.
-    Returns [S, B, T, C] contiguous in x's dtype (each stream ready for the KDA kernel as is).
+    Returns S tensors [B, T, C] in x's dtype, each contiguous (ready for the KDA kernel as is).
     Packed documents: the conv runs across document edges, then the first W-1 rows of each document
     are recomputed from their own document's taps (a few gathers), so the result is exact.
-    On CUDA the fused Triton kernels of `k3.ops.short_conv` do all of it in one launch each way.
+    On CUDA the fused Triton kernels of `k3.ops.short_conv` do all of it in one launch each way, with
+    S separate outputs, so the backward takes the S gradients as they are (no stack of them into one
+    [S, B, T, C] tensor). The CPU path's streams are views of one [S, B, T, C] tensor.
     """
     T, C = x.shape[1:]
     if x.is_cuda:
@@ -108,7 +110,7 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
         src = (rows[:, None] + torch.arange(W, device=x.device) - (W - 1)).clamp(0, T - 1)  # [R, W]
         taps = xt[0][:, src] * (w.reshape(C, 1, W) * keep)  # [C, R, W]
         y[0].index_copy_(1, rows, taps.sum(-1))  # row T (spare entries) lies outside the kept [:T]
-    return kernels.silu_streams(y[..., :T], streams, x.dtype)
+    return tuple(kernels.silu_streams(y[..., :T], streams, x.dtype).unbind(0))
 
 
 class KDAttention(nn.Module):

@@ -24,24 +24,30 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _check(B, T, S, C, W, dtype, cu=None, sliced=False, pad=5, at=3):
-    """sliced: x is columns [at, at + S*C) of a wider tensor (S*C + pad columns), like a fused projection."""
+def _check(B, T, S, C, W, dtype, cu=None, sliced=False, pad=5, at=3, unused=()):
+    """sliced: x is columns [at, at + S*C) of a wider tensor (S*C + pad columns), like a fused projection.
+    unused: streams whose outputs take no part in the loss (gradient None; the reference's is zero)."""
     torch.manual_seed(0)
     full = torch.randn(B, T, S * C + (pad if sliced else 0), device=DEV, dtype=dtype)
     x = (full[..., at:at + S * C] if sliced else full).detach().requires_grad_()
     w = (torch.randn(S * C, 1, W, device=DEV) * 0.5).requires_grad_()
     cu_t = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu is not None else None
-    out = short_conv_silu(x, w, streams=S, cu_seqlens=cu_t)
-    assert out.shape == (S, B, T, C) and out.dtype == dtype
+    outs = short_conv_silu(x, w, streams=S, cu_seqlens=cu_t)
+    # S separate contiguous [B, T, C] tensors, none a view of another
+    assert isinstance(outs, tuple) and len(outs) == S
+    assert all(o.shape == (B, T, C) and o.dtype == dtype and o.is_contiguous() for o in outs)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == S
     xr = x.detach().double().requires_grad_()
     wr = w.detach().double().requires_grad_()
     ref = short_conv_silu_reference(xr, wr, cu_t)  # [B, T, S*C]
     ref_s = ref.reshape(B, T, S, C).permute(2, 0, 1, 3)
     do = torch.randn_like(ref_s)
-    out.backward(do.to(dtype))
+    do[list(unused)] = 0
+    used = [s for s in range(S) if s not in unused]
+    torch.autograd.backward([outs[s] for s in used], [do[s].to(dtype) for s in used])
     ref_s.backward(do)
     tol = TOL[dtype]
-    assert _rel(out, ref_s) < tol
+    assert _rel(torch.stack(outs), ref_s) < tol
     assert _rel(x.grad, xr.grad) < tol
     assert _rel(w.grad, wr.grad) < tol
 
@@ -51,17 +57,18 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-@pytest.fixture(params=["fused", "split", "split-half-dz"])
+@pytest.fixture(params=["fused", "split-fp32", "split-half"])
 def bwd(request, monkeypatch):
-    """The backward kernels: fused, split (default: an fp32 dz scratch, then dx / dw), and split with the
-    scratch in x's dtype (K3_CONV_DZ=half)."""
-    monkeypatch.setenv("K3_CONV_BWD", request.param.split("-")[0])
-    monkeypatch.setenv("K3_CONV_DZ", "half" if request.param.endswith("half-dz") else "fp32")
+    """The backward kernels: fused, and split (a dz scratch, then dx / dw) with the scratch in fp32 or in x's
+    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype)."""
+    mode, dz = (request.param.split("-") + ["fp32"])[:2]
+    monkeypatch.setenv("K3_CONV_BWD", mode)
+    monkeypatch.setenv("K3_CONV_DZ", dz)
     return request.param
 
 
 def test_bf16_packed_documents(bwd):
-    """bf16 inputs through every backward (the half-dtype dz scratch only differs from fp32 here): within
+    """bf16 inputs through every backward (the dz scratch's dtype only matters here): within
     bf16 tolerance of float64, across 64-row block edges."""
     _check(1, 150, 3, 48, 4, torch.bfloat16, cu=[0, 1, 3, 63, 66, 128, 129, 150], sliced=True)
 
@@ -79,6 +86,67 @@ def test_backward_block_edges(W, bwd):
     _check(2, 131, 3, 48, W, torch.float32)
 
 
+@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bc", [128, 16])
+def test_streams_straddle_channel_blocks(S, dtype, bc, bwd, monkeypatch):
+    """C = 12: a channel block of 128 holds all streams, blocks of 16 straddle two; the kernels pick each
+    column's stream tensor (outputs, stream gradients), with packed documents and a sliced x."""
+    monkeypatch.setenv("K3_CONV_FWD_BC", str(bc))
+    monkeypatch.setenv("K3_CONV_BWD_BC", str(bc))
+    _check(1, 70, S, 12, 4, dtype, cu=[0, 5, 6, 40, 70], sliced=True)
+
+
+@pytest.mark.parametrize("unused", [(1,), (0, 2)])
+def test_unused_stream_output(unused, bwd, monkeypatch):
+    """A stream's output left out of the loss (its gradient reaches the backward as None) counts as a
+    zero gradient; across channel blocks that straddle streams."""
+    monkeypatch.setenv("K3_CONV_BWD_BC", "16")
+    _check(1, 45, 3, 12, 4, torch.float32, cu=[0, 1, 3, 20, 45], unused=unused)
+    _check(1, 45, 3, 12, 4, torch.bfloat16, cu=[0, 1, 3, 20, 45], unused=unused, sliced=True)
+
+
+def test_none_gradient_is_not_materialised(monkeypatch):
+    """The backward gets None for an unused stream (no zero tensor is made for it), and a broadcast
+    gradient (of a sum: stride 0) reads correctly."""
+    from k3.ops.short_conv import triton_conv
+
+    seen, orig = [], triton_conv._stream_args
+
+    def spy(ts, fill):
+        seen.append(list(ts))
+        return orig(ts, fill)
+
+    monkeypatch.setattr(triton_conv, "_stream_args", spy)
+    x = torch.randn(1, 20, 36, device=DEV, requires_grad=True)
+    w = torch.randn(36, 1, 4, device=DEV, requires_grad=True)
+    q, _, v = short_conv_silu(x, w, streams=3)
+    (q.sum() + 2 * v.sum()).backward()
+    assert seen[-1][1] is None and seen[-1][0] is not None and seen[-1][2] is not None
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = short_conv_silu_reference(xr, wr)
+    (ref[..., :12].sum() + 2 * ref[..., 24:].sum()).backward()
+    assert _rel(x.grad, xr.grad) < TOL[torch.float32] and _rel(w.grad, wr.grad) < TOL[torch.float32]
+
+
+def test_dz_dtype(monkeypatch):
+    """The split backward's dz scratch: x's dtype for bf16/fp16 x and fp32 for fp32 x by default
+    (K3_CONV_DZ=auto); K3_CONV_DZ=fp32 / half force fp32 / x's dtype; other values raise."""
+    from k3.ops.short_conv.triton_conv import _dz_dtype
+
+    monkeypatch.delenv("K3_CONV_DZ", raising=False)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        assert _dz_dtype(torch.empty(1, dtype=dt)) == dt
+    monkeypatch.setenv("K3_CONV_DZ", "fp32")
+    assert _dz_dtype(torch.empty(1, dtype=torch.bfloat16)) == torch.float32
+    monkeypatch.setenv("K3_CONV_DZ", "half")
+    assert _dz_dtype(torch.empty(1, dtype=torch.bfloat16)) == torch.bfloat16
+    assert _dz_dtype(torch.empty(1, dtype=torch.float32)) == torch.float32
+    monkeypatch.setenv("K3_CONV_DZ", "bf16")
+    with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
+        _dz_dtype(torch.empty(1))
+
+
 def test_tile_knobs(monkeypatch):
     # other program tiles (bench/short_conv.py --sweep) give the same results; bad values raise
     for k, v in (("FWD_BT", "64"), ("FWD_BC", "16"), ("BWD_BT", "16"), ("BWD_BC", "32"), ("BWD_WARPS", "2")):
@@ -91,11 +159,11 @@ def test_tile_knobs(monkeypatch):
     monkeypatch.setenv("K3_CONV_BWD", "fast")
     x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
     with pytest.raises(ValueError, match="K3_CONV_BWD must be"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV)).sum().backward()
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
     monkeypatch.setenv("K3_CONV_BWD", "split")
     monkeypatch.setenv("K3_CONV_DZ", "bf16")
     with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV)).sum().backward()
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
 
 
 def test_sliced_input_and_one_stream():
@@ -131,13 +199,16 @@ def test_matches_the_model_conv():
     w = torch.randn(3 * 32, 1, 4)
     ref = conv_silu_streams(x, w, SeqLayout.build(1, 41, cu, None, x.device), 3)
     out = short_conv_silu(x.to(DEV), w.to(DEV), streams=3, cu_seqlens=cu.to(DEV))
-    assert _rel(out.cpu(), ref) < 1e-6
+    assert isinstance(ref, tuple) and len(ref) == 3
+    assert _rel(torch.stack(out).cpu(), torch.stack(ref)) < 1e-6
 
 
 def test_bad_input():
     x = torch.randn(1, 8, 12)
     with pytest.raises(ValueError, match="streams"):
         short_conv_silu(x, torch.randn(12, 1, 4), streams=5)
+    with pytest.raises(ValueError, match="1 to 4"):
+        short_conv_silu(x, torch.randn(12, 1, 4), streams=6)
     with pytest.raises(ValueError, match="channels"):
         short_conv_silu(x, torch.randn(10, 1, 4))
     with pytest.raises(ValueError, match="B = 1"):

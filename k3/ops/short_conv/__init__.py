@@ -1,7 +1,7 @@
 """KDA's short convolution: depthwise causal conv (width W, no bias) + SiLU over packed documents.
 
     from k3.ops.short_conv import short_conv_silu
-    out = short_conv_silu(x, weight, streams=3, cu_seqlens=cu)     # [S, B, T, C]
+    q, k, v = short_conv_silu(x, weight, streams=3, cu_seqlens=cu)     # 3 x [B, T, C]
 
 `reference.py` is the spec (float64 loops); `triton_conv.py` the fused Triton forward/backward used
 on CUDA tensors (and under TRITON_INTERPRET=1 on CPU, which is how CI tests it).
@@ -23,25 +23,30 @@ def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, *, streams: int = 1,
-                    cu_seqlens: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
+                    cu_seqlens: torch.Tensor | None = None, starts: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, ...]:
     """SiLU(depthwise causal conv(x)) with no history before each document, split into streams.
 
     Args:
         x: [B, T, S*C] bf16/fp16/fp32 (the last dim must be contiguous; e.g. a slice of a fused
             projection). Packed documents: B = 1 and cu_seqlens [N + 1] (or their `starts`).
         weight: [S*C, 1, W] or [S*C, W]; the conv runs in fp32 (tap W-1 is the current token).
-        streams: S, the number of equal channel groups returned separately (q, k, v -> 3).
+        streams: S (1 to 4), the number of equal channel groups returned separately (q, k, v -> 3).
         starts: int32 [T], the first row of each token's document (`document_starts`), to share it
             across layers instead of passing cu_seqlens.
     Returns:
-        [S, B, T, C] contiguous in x's dtype; differentiable in x and weight.
+        a tuple of S separate contiguous [B, T, C] tensors in x's dtype, stream s = channels
+        [s*C, (s+1)*C); differentiable in x and weight. The backward reads each stream's gradient where
+        it lies (no [S, B, T, C] stack of them); an unused stream (gradient None) counts as zeros.
     """
-    from k3.ops.short_conv.triton_conv import ShortConvSiLU
+    from k3.ops.short_conv.triton_conv import MAX_STREAMS, ShortConvSiLU
 
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, S*C], got shape {list(x.shape)}")
     B, T, SC = x.shape
-    if streams < 1 or SC % streams:
+    if not 1 <= streams <= MAX_STREAMS:
+        raise ValueError(f"streams must be 1 to {MAX_STREAMS} (the kernels' stream pointers), got {streams}")
+    if SC % streams:
         raise ValueError(f"{SC} channels do not split into {streams} streams")
     w = weight.reshape(weight.shape[0], -1)
     if w.shape[0] != SC:

@@ -1,13 +1,15 @@
 """KDA's short convolution (depthwise causal conv + SiLU) as Triton kernels, forward and backward.
 
 Memory-bound: the forward (one launch) reads x once per tap (the W shifted tiles hit in cache) and
-writes SiLU(y) straight into the per-stream layout [S, B, T, C] the KDA kernel takes. The fused
-backward (one launch) recomputes y of the W output rows each input row feeds (no saved activations
-besides x), writes dx and per-block partial sums of dw (summed afterwards in a fixed order:
-deterministic).
-The default split backward computes dz = dL/d(conv output) once per row into an fp32 scratch, then
-dx and dw from shifted reads of it: W + 1 tile loads per row instead of W * (W + 1) (1.5x faster
-than the fused one, env K3_CONV_BWD=fused, on the H200).
+writes SiLU(y) straight into S separate [B, T, C] tensors (q, k, v: the layout the KDA kernel takes);
+the backward reads the S stream gradients through S pointers as well, so autograd never stacks them
+into one [S, B, T, C] tensor (a full-size copy per layer). The fused backward (one launch) recomputes
+y of the W output rows each input row feeds (no saved activations besides x), writes dx and
+per-block partial sums of dw (summed afterwards in a fixed order: deterministic).
+The default split backward computes dz = dL/d(conv output) once per row into a scratch (x's dtype
+for bf16/fp16 x, else fp32: env K3_CONV_DZ), then dx and dw from shifted reads of it: W + 1 tile
+loads per row instead of W * (W + 1) (1.5x faster than the fused one, env K3_CONV_BWD=fused, on the
+H200).
 Replaces a transpose + fp32 cuDNN depthwise conv1d + document-edge fix-up + SiLU epilogue, whose
 depthwise kernels alone took ~1.3 ms per KDA layer forward+backward at 16K tokens x 3072 channels
 on an H200.  Packed documents: row t only sees inputs s >= starts[t] (its document's first row).
@@ -25,7 +27,8 @@ from k3.ops.triton_utils import cvt, env_tile
 
 # (rows, channels, warps) per program. Backward: the split kernels with 64-row blocks measured fastest
 # (H200, 65,536 tokens x 3,072 channels bf16, fwd+bwd: split 64/128/4 1.88 ms, split 32/128/4 2.26 ms,
-# fused 32/128/4 2.86 ms; bench/short_conv.py --sweep).
+# fused 32/128/4 2.86 ms; bench/short_conv.py --sweep; split 64/128/4 with the dz scratch in bf16:
+# 1.59 ms, now the default).
 TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4)}
 
 
@@ -76,13 +79,29 @@ def _dw_partials(dw_part, xb, starts, dz, rows, m_rows, o_c, m_c, sxt, block,
 
 
 @triton.jit
-def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
-                    SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    VB: tl.constexpr, VT: tl.constexpr, DZ: tl.constexpr,
+def _stream_cols(y0, y1, y2, y3, o_c, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr):
+    """Columns o_c of the [.., S*C] row live in S separate contiguous [B, T, C] tensors y0..y{S-1}:
+    per column, the pointer to its element in row 0 of stream s = c // C, and whether that stream is
+    live (bit s of LIVE; a dead one, an unused output whose gradient is None, reads as zeros). Per
+    column, not per program: a channel block straddles two streams when C is not a multiple of it."""
+    sid = o_c // C
+    base = tl.where(sid == 1, y1, y0)
+    if S > 2:
+        base = tl.where(sid == 2, y2, base)
+    if S > 3:
+        base = tl.where(sid == 3, y3, base)
+    live = (((tl.zeros_like(sid) + LIVE) >> sid) & 1) != 0
+    return base + (o_c - sid * C), live
+
+
+@triton.jit
+def _short_conv_fwd(x, w, starts, y0, y1, y2, y3, dz, B, T, sxb_v, sxt_v,
+                    SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr, W: tl.constexpr,
+                    HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, DZ: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """y = conv(x) per row. Forward: out [S, B, T, C] = SiLU(y). DZ (split backward, pass 1):
-    out [B, T, SC] (fp32, or x's dtype with K3_CONV_DZ=half) = dz = dout * SiLU'(y), dout in the
-    [S, B, T, C] layout."""
+    """y = conv(x) per row. Forward: y0..y{S-1} [B, T, C] = SiLU(y) of stream s. DZ (split backward,
+    pass 1): y0..y{S-1} are the stream gradients dout (bit s of LIVE clear: None, zeros), and
+    dz [B, T, SC] (fp32 or x's dtype, `_dz_dtype`) = dout * SiLU'(y)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -91,31 +110,33 @@ def _short_conv_fwd(x, w, starts, dout, out, B, T, sxb_v, sxt_v,
     m = m_t[:, None] & m_c[None, :]
     y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb_v * VB, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
     sg = _sigmoid(y)
-    # [S, B, T, C] layout: stream s = c // C
-    off = ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + o_t.to(tl.int64)[:, None] * C + (o_c % C)[None, :]
+    cols, live = _stream_cols(y0, y1, y2, y3, o_c, C, S, LIVE)
+    ptr = cols[None, :] + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * C
     if DZ:
-        dy = tl.load(dout + off, mask=m, other=0.0).to(tl.float32)
-        tl.store(out + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
-                 cvt(dy * sg * (1.0 + y * (1.0 - sg)), out.dtype.element_ty), mask=m)
+        dy = tl.load(ptr, mask=m & live[None, :], other=0.0).to(tl.float32)
+        tl.store(dz + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
+                 cvt(dy * sg * (1.0 + y * (1.0 - sg)), dz.dtype.element_ty), mask=m)
     else:
-        tl.store(out + off, (y * sg).to(out.dtype.element_ty), mask=m)
+        tl.store(ptr, (y * sg).to(y0.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _short_conv_bwd(x, w, starts, dout, dz, dx, dw_part, B, T, sxb_v, sxt_v,
-                    SC: tl.constexpr, C: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    VB: tl.constexpr, VT: tl.constexpr, SPLIT: tl.constexpr,
+def _short_conv_bwd(x, w, starts, d0, d1, d2, d3, dz, dx, dw_part, B, T, sxb_v, sxt_v,
+                    SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr, W: tl.constexpr,
+                    HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's document, and this block's dw partials.
-    SPLIT: dz [B, T, SC] fp32 comes from the DZ pass of _short_conv_fwd; else each dz[s+e] is recomputed
-    from x and dout (y of W output rows per input row: no scratch, W times the conv work)."""
+    SPLIT: dz [B, T, SC] comes from the DZ pass of _short_conv_fwd; else each dz[s+e] is recomputed from x
+    and the stream gradients d0..d{S-1} [B, T, C] (y of W output rows per input row: no scratch, W times
+    the conv work; bit s of LIVE clear: stream s's gradient is None, zeros)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_s, m_c = o_s < T, o_c < SC
     xb = x + i_b.to(tl.int64) * sxb_v * VB
-    dob = dout + ((o_c // C).to(tl.int64) * B + i_b)[None, :] * T * C + (o_c % C)[None, :]
+    cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
+    dob = cols[None, :] + i_b.to(tl.int64) * T * C
     dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
@@ -129,7 +150,7 @@ def _short_conv_bwd(x, w, starts, dout, dz, dx, dw_part, B, T, sxb_v, sxt_v,
             d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0).to(tl.float32)
         else:
             y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
-            dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m & live[None, :], other=0.0).to(tl.float32)
             sg = _sigmoid(y)
             d = dy * sg * (1.0 + y * (1.0 - sg))
         dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
@@ -148,12 +169,16 @@ def _bwd_mode() -> str:
 
 
 def _dz_dtype(x: torch.Tensor) -> torch.dtype:
-    """The split backward's dz scratch: fp32 (default), or env K3_CONV_DZ=half for x's dtype -- half the
-    scratch bytes (its write and the W shifted reads), at one more rounding of dz before dx and dw."""
-    mode = os.environ.get("K3_CONV_DZ", "fp32")
-    if mode not in ("fp32", "half"):
-        raise ValueError(f"K3_CONV_DZ must be 'fp32' or 'half', got {mode!r}")
-    return torch.float32 if mode == "fp32" else x.dtype
+    """The split backward's dz scratch, env K3_CONV_DZ: "auto" (default) = x's dtype for bf16/fp16 x, fp32
+    for fp32 x; "half" = x's dtype; "fp32". In bf16 half the scratch bytes (its write and the W shifted
+    reads) at one more rounding of dz before dx and dw (H200, 65,536 x 3,072 bf16: fwd+bwd 1.88 -> 1.59
+    ms; vs float64 dx 2.3e-3 -> 2.9e-3, dw 1.7e-3 -> 2.3e-3 relative)."""
+    mode = os.environ.get("K3_CONV_DZ", "auto")
+    if mode not in ("auto", "fp32", "half"):
+        raise ValueError(f"K3_CONV_DZ must be 'auto', 'fp32' or 'half', got {mode!r}")
+    if mode == "half" or (mode == "auto" and x.dtype in (torch.bfloat16, torch.float16)):
+        return x.dtype
+    return torch.float32
 
 
 def _strides(x: torch.Tensor) -> dict:
@@ -174,32 +199,48 @@ def _grid(B: int, T: int, SC: int, bt: int, bc: int) -> tuple[int, int, int]:
     return triton.cdiv(T, bt), triton.cdiv(SC, bc), B
 
 
+MAX_STREAMS = 4  # the kernels take this many stream pointers (k3 uses 1 and 3)
+
+
+def _stream_args(ts: list, fill: torch.Tensor) -> tuple[list, int]:
+    """The kernels' MAX_STREAMS stream pointers (`fill` where there is no tensor: never dereferenced) and
+    the LIVE bits of the streams that have one."""
+    live = sum(1 << s for s, t in enumerate(ts) if t is not None)
+    return [t if t is not None else fill for t in ts] + [fill] * (MAX_STREAMS - len(ts)), live
+
+
 class ShortConvSiLU(torch.autograd.Function):
-    """x [B, T, S*C] (last dim contiguous), weight [S*C, W] fp32, starts [T] int32 or None
-    -> SiLU(causal depthwise conv) [S, B, T, C] in x's dtype."""
+    """x [B, T, S*C] (last dim contiguous), weight [S*C, W] fp32, starts [T] int32 or None, S <= 4
+    -> SiLU(causal depthwise conv) as S separate contiguous [B, T, C] tensors in x's dtype (stream s:
+    channels [s*C, (s+1)*C)). The backward takes the S stream gradients as they come, None for an
+    unused output."""
 
     @staticmethod
     def forward(ctx, x, weight, starts, streams):  # noqa: ANN001 - autograd signature
         B, T, SC = x.shape
         W = weight.shape[1]
         C = SC // streams
-        out = torch.empty(streams, B, T, C, device=x.device, dtype=x.dtype)
+        outs = [torch.empty(B, T, C, device=x.device, dtype=x.dtype) for _ in range(streams)]
+        ys, live = _stream_args(outs, outs[0])
         st = starts if starts is not None else weight
         bt, bc, warps = _tiles("FWD")
-        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, out, out, B, T, **_strides(x),
-                                                 SC=SC, C=C, W=W, HAS_STARTS=starts is not None, DZ=False,
+        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, *ys, weight, B, T, **_strides(x),
+                                                 SC=SC, C=C, S=streams, LIVE=live, W=W,
+                                                 HAS_STARTS=starts is not None, DZ=False,
                                                  BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, starts)
-        ctx.streams = streams
-        return out
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001
+    def backward(ctx, *douts):  # noqa: ANN001
         x, weight, starts = ctx.saved_tensors
         B, T, SC = x.shape
         W = weight.shape[1]
-        C = SC // ctx.streams
-        dout = dout.contiguous()
+        S = len(douts)
+        C = SC // S
+        # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
+        ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype)
         bt, bc, warps = _tiles("BWD")
         grid = _grid(B, T, SC, bt, bc)
@@ -208,12 +249,12 @@ class ShortConvSiLU(torch.autograd.Function):
         has = starts is not None
         split = _bwd_mode() == "split"
         strides = _strides(x)
-        dz = dout  # not read by the fused kernel (SPLIT=False), which recomputes dz
+        dz = dx  # not read by the fused kernel (SPLIT=False), which recomputes dz
         if split:
             dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
-            _short_conv_fwd[grid](x, weight, st, dout, dz, B, T, **strides,
-                                  SC=SC, C=C, W=W, HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        _short_conv_bwd[grid](x, weight, st, dout, dz, dx, dw_part, B, T, **strides, SC=SC, C=C, W=W,
-                              HAS_STARTS=has, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+            _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **strides, SC=SC, C=C, S=S, LIVE=live, W=W,
+                                  HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        _short_conv_bwd[grid](x, weight, st, *ds, dz, dx, dw_part, B, T, **strides, SC=SC, C=C, S=S, LIVE=live,
+                              W=W, HAS_STARTS=has, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         dw = dw_part.sum(0).t().contiguous()
         return dx, dw, None, None
