@@ -120,15 +120,28 @@ def _bv(V: int, programs_per_bv64: int) -> int:
     return bv
 
 
+def _state_bv(V: int, NH: int) -> int:
+    """Value-block width of the chunk-state scans (forward and backward; one program per (sequence,
+    head, value block), sequential over the chunks): 64, narrower only when fewer than 64 programs
+    would run.  Wider blocks load each chunk's key-side tiles (W, qg, kg, P) for fewer programs, and
+    each program's per-chunk step is the latency chain either way: on the H200 at k3-small's
+    micro-batch (65,536 tokens in 8 documents, H 8: 64 pairs) BV 64 took the forward scan from
+    0.74 ms (BV 128, 8 warps) and the backward from 1.49 ms (BV 16, the fill-the-GPU rule before) to
+    0.43 / 0.54 ms; BV 32: 0.63 / 0.87 ms.  Env K3_KDA_BV overrides."""
+    forced = os.environ.get("K3_KDA_BV")
+    if forced:
+        return min(V, int(forced))
+    bv = min(V, 64)
+    while bv > 16 and NH * triton.cdiv(V, bv) < 64:
+        bv //= 2
+    return bv
+
+
 def _fwd_state_tiles(V: int, NH: int) -> tuple[int, int]:
-    """(BV, warps) of the forward state scan.  With V = 128 and at least 64 (sequence, head) pairs,
-    one program per pair holds the whole 128 x 128 state (8 warps): the chunk tiles W, qg, kg, P
-    are then loaded once instead of once per value block, and the grid is one wave (H200, B1 T8192
-    H96: 0.76 ms vs 1.05 ms with 4 programs of BV 32 per pair).  Otherwise the value dimension is
-    split to fill the GPU.  Env K3_KDA_BV / K3_KDA_WARPS_STATE override."""
-    if os.environ.get("K3_KDA_BV") is None and V == 128 and NH >= 64:
-        return 128, _warps("STATE", 8)
-    return _bv(V, NH * max(V // 64, 1)), _warps("STATE", 4)
+    """(BV, warps) of the forward state scan: `_state_bv` on 4 warps; env K3_KDA_BV / K3_KDA_WARPS_STATE
+    override (BV 128 needs 8 warps: the whole 128 x 128 state in one program)."""
+    bv = _state_bv(V, NH)
+    return bv, _warps("STATE", 8 if bv == 128 else 4)
 
 
 def _tile(name: str, default: int, dim: int) -> int:
@@ -283,7 +296,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     DR = torch.empty(NC, H, CHUNK, V, device=dev, dtype=dt)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
     dv = torch.empty_like(v)
-    BV = _bv(V, N * H * max(V // 64, 1))
+    BV = _state_bv(V, N * H)
     dummy = GL
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, Tm, GL, beta, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DR, dv,
