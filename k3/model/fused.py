@@ -444,6 +444,20 @@ class Kernels:
             return attn_res_mix(cands, w_norm, w_proj, eps)
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
 
+    def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float
+                      ) -> tuple[Tensor, list[Tensor]]:
+        """`attn_res` over bank + [prefix] -> (mix, the bank to pass on). On the Triton path the bank comes
+        back as pass-through views (`attn_res_mix(carry=...)`): each bank entry then has one consumer
+        per mix in a chain, and its gradients from all later mixes are summed inside the backward
+        kernels, not by autograd's separate add passes. Elsewhere the bank is returned as given."""
+        if not bank:
+            return prefix, bank
+        cands = bank + [prefix]
+        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", prefix):
+            out, carried = attn_res_mix(cands, w_norm, w_proj, eps, carry=len(bank))
+            return out, carried
+        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), bank
+
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
         """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env
         K3_DISPATCH, see `_triton_choice`)."""

@@ -66,19 +66,18 @@ class DecoderLayer(nn.Module):
         bank: completed block sums [B, T, d] each; prefix: running sum of the current block.
         Returns the updated (bank, prefix).
         """
-        h = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj)
+        h, bank = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj)
         a = self.self_attn(self.input_layernorm(h), layout, cache)
         if self.layer_idx % self.block_size == 0:  # block boundary: bank the prefix, restart it at 0
             bank, prefix = bank + [prefix], a
         else:
             prefix = prefix + a
-        m = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj)
+        m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj)
         return bank, prefix + self.ffn(self.post_attention_layernorm(m))
 
-    def _mix(self, bank, prefix, norm: ResVector, proj: ResVector) -> torch.Tensor:
-        if not bank:
-            return prefix
-        return self.kernels.attn_res(bank + [prefix], norm.weight, proj.weight, self.eps)
+    def _mix(self, bank, prefix, norm: ResVector, proj: ResVector) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(mix of bank + [prefix], the bank to use from here on: pass-through views on the Triton path)."""
+        return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps)
 
 
 class K3Model(nn.Module):
@@ -123,7 +122,7 @@ class K3Model(nn.Module):
         prefix = x
         for i, layer in enumerate(self.layers):
             if i in want:
-                hidden[i] = layer._mix(bank, prefix, layer.self_attention_res_norm, layer.self_attention_res_proj)
+                hidden[i] = layer._mix(bank, prefix, layer.self_attention_res_norm, layer.self_attention_res_proj)[0]
             if self.gradient_checkpointing and self.training and cache is None:
                 bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
             else:

@@ -87,6 +87,79 @@ def test_bad_input():
         attn_res_mix(cands, w_norm[:5], w_proj, 1e-5)
     with pytest.raises(ValueError, match="fp32"):
         attn_res_mix([c.double() for c in cands], w_norm, w_proj, 1e-5)
+    with pytest.raises(ValueError, match="carry"):
+        attn_res_mix(cands, w_norm, w_proj, 1e-5, carry=3)
+
+
+def _chain(mix, bank, prefixes, weights, carry):
+    """Mixes in a row over a growing bank, as the model runs them: bank + [prefix_j] for each j, the
+    bank passed on through the mixes' pass-through views when `carry`; loss = sum of the outputs."""
+    total = 0.0
+    for j, (p, (wn, wp)) in enumerate(zip(prefixes, weights)):
+        if carry:
+            out, bank = mix(bank + [p], wn, wp, 1e-5, carry=len(bank))
+        else:
+            out = mix(bank + [p], wn, wp, 1e-5)
+        total = total + (out.double() * (j + 1)).sum()
+        if j == 1:
+            bank = bank + [p]  # a block boundary: the prefix joins the bank mid-chain
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_carried_bank_gradients_sum_in_the_kernel(dtype):
+    """A chain of mixes whose bank travels through pass-through views gives every bank entry, prefix
+    and weight the gradient of the reference chain (each entry used by every later mix, autograd
+    summing), and the views hold the bank's values."""
+    g = torch.Generator().manual_seed(3)
+    shape = (11, 40)
+    bank = [torch.randn(shape, generator=g).to(DEV, dtype) for _ in range(2)]
+    prefixes = [torch.randn(shape, generator=g).to(DEV, dtype) for _ in range(4)]
+    weights = [((torch.rand(40, generator=g) + 0.5).to(DEV), (torch.randn(1, 40, generator=g) * 0.3).to(DEV))
+               for _ in range(4)]
+    leaves = [t.detach().requires_grad_() for t in bank + prefixes + [w for pair in weights for w in pair]]
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+
+    def split(ts):
+        return ts[:2], ts[2:6], list(zip(ts[6::2], ts[7::2]))
+
+    b, p, w = split(leaves)
+    _chain(attn_res_mix, b, p, w, carry=True).backward()
+    b, p, w = split(refs)
+    _chain(lambda c, wn, wp, eps: attn_res_reference(c, wn, wp, eps), b, p, w, carry=False).backward()
+    tol = TOL[dtype][1] * (4 if dtype == torch.bfloat16 else 1)
+    for leaf, ref in zip(leaves, refs):
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
+        assert (leaf.grad.double() - ref.grad).abs().max() <= tol * ref.grad.abs().max()
+    out, views = attn_res_mix(bank + prefixes[:1], *weights[0], 1e-5, carry=2)
+    assert len(views) == 2 and all(torch.equal(v, b) for v, b in zip(views, bank))
+
+
+def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
+    """A k3-tiny forward/backward with the Triton AttnRes path (bank passed through the mixes) gives the
+    loss and gradients of the torch regions (fp32, interpreter on the CPU)."""
+    from k3.config import get_preset
+    from k3.model.causal_lm import K3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = get_preset("k3-tiny")
+    model = K3ForCausalLM(cfg).init_weights(seed=0).to(DEV)
+    for p in model.parameters():  # non-zero res_proj: the mixes' softmax is not uniform
+        if p.dim() == 2 and p.shape[0] == 1:
+            p.data.normal_(0, 0.5)
+    ids = torch.randint(0, cfg.text_config.vocab_size, (1, 24), device=DEV)
+    grads = {}
+    for choice in ("triton", "inductor"):
+        monkeypatch.setenv("K3_ATTNRES", choice)
+        model.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads[choice] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (la, ga), (lb, gb) = grads["triton"], grads["inductor"]
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-5 * max(1.0, gb[n].abs().max().item()), msg=n)
 
 
 @pytest.mark.gpu

@@ -94,8 +94,11 @@ def _attn_res_fwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, W, OUT, P, R, S, M, D, eps
 
 @triton.jit
 def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6, G7, G8,
-                  GO, W, P, R, S, GWP, M, D,
-                  N: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                  I0, I1, I2, I3, I4, I5, I6, I7, I8, GO, W, P, R, S, GWP, M, D,
+                  N: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, HAS_IN: tl.constexpr):
+    """Every candidate's gradient G_i (plus the incoming gradient I_i where bit i of HAS_IN is set:
+    the gradient a carried candidate collected downstream, summed here in fp32 instead of by autograd
+    in a separate pass) and this program's partial w gradient."""
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     m_r = rows < M
@@ -130,6 +133,9 @@ def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6
             v = tl.load(src + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
             a_i = _column(a, slot, i)[:, None]
             grad = g * _column(p, slot, i)[:, None] + a_i * w[None, :] - _column(c, slot, i)[:, None] * v
+            if (HAS_IN >> i) & 1:
+                inc = _pick(i, I0, I1, I2, I3, I4, I5, I6, I7, I8)
+                grad += tl.load(inc + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
             tl.store(dst + base + cols[None, :], cvt(grad, dst.dtype.element_ty), mask=m)
             gw += tl.sum(a_i * v, 0)
         tl.store(GWP + pid.to(tl.int64) * D + cols, gw, mask=m_c)
@@ -141,11 +147,11 @@ def tile() -> tuple[int, ...]:
     return env_tile("K3_ATTNRES", ("BM", "BD", "WARPS"), TILE)
 
 
-def _launch(kernel, M: int, D: int, N: int, *args) -> None:  # noqa: ANN001
-    """One program per BM rows of the [M, D] candidates, N of them."""
+def _launch(kernel, M: int, D: int, N: int, *args, **flags) -> None:  # noqa: ANN001, ANN003
+    """One program per BM rows of the [M, D] candidates, N of them; flags: the kernel's other constexprs."""
     bm, bd, warps = tile()
     kernel[(triton.cdiv(M, bm),)](*args, N=N, NP=max(2, triton.next_power_of_2(N)), BM=bm,
-                                  BD=min(bd, triton.next_power_of_2(D)), num_warps=warps)
+                                  BD=min(bd, triton.next_power_of_2(D)), num_warps=warps, **flags)
 
 
 def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -153,10 +159,14 @@ def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class AttnResMix(torch.autograd.Function):
-    """cands: n tensors [..., D] (2 <= n <= MAXN, same shape) -> mix in cands[-1]'s dtype."""
+    """cands: n tensors [..., D] (2 <= n <= MAXN, same shape) -> mix in cands[-1]'s dtype, followed by
+    `carry` pass-through views of cands[:carry]: the next mix takes those instead of the originals, so
+    each candidate has one consumer and its gradients from every later mix are summed inside this
+    backward kernel (one read of the incoming gradient) rather than by autograd (a separate
+    read-read-write add per extra consumer)."""
 
     @staticmethod
-    def forward(ctx, w_norm, w_proj, eps, *cands):  # noqa: ANN001 - autograd signature
+    def forward(ctx, w_norm, w_proj, eps, carry, *cands):  # noqa: ANN001 - autograd signature
         shape, D = cands[-1].shape, cands[-1].shape[-1]
         flat = [c.reshape(-1, D).contiguous() for c in cands]
         M, N = flat[0].shape[0], len(flat)
@@ -166,17 +176,22 @@ class AttnResMix(torch.autograd.Function):
         _launch(_attn_res_fwd, M, D, N, *_slots(flat), w, out, prs[0], prs[1], prs[2], M, D, eps)
         ctx.save_for_backward(w_norm, w_proj, w, prs, *flat)
         ctx.shapes = [c.shape for c in cands]
-        return out.view(shape)
+        ctx.set_materialize_grads(False)  # an unused pass-through (or output) gradient stays None
+        return (out.view(shape), *[c.view_as(c) for c in cands[:carry]])
 
     @staticmethod
-    def backward(ctx, go):  # noqa: ANN001
+    def backward(ctx, go, *incoming):  # noqa: ANN001
         w_norm, w_proj, w, prs, *flat = ctx.saved_tensors
         (M, D), N = flat[0].shape, len(flat)
+        go = torch.zeros(M, D, dtype=flat[-1].dtype, device=w.device) if go is None else go.reshape(M, D)
+        inc = [None if g is None else g.reshape(M, D).contiguous() for g in incoming]
+        has_in = sum(1 << i for i, g in enumerate(inc) if g is not None)
+        inc = [g if g is not None else flat[0] for g in inc]  # unused slots: never read
         grads = [torch.empty_like(c) for c in flat]
         gwp = torch.empty(triton.cdiv(M, tile()[0]), D, dtype=torch.float32, device=w.device)  # one row a program
-        _launch(_attn_res_bwd, M, D, N, *_slots(flat), *_slots(grads), go.reshape(M, D).contiguous(), w,
-                prs[0], prs[1], prs[2], gwp, M, D)
+        _launch(_attn_res_bwd, M, D, N, *_slots(flat), *_slots(grads), *_slots(inc or flat[:1]), go.contiguous(),
+                w, prs[0], prs[1], prs[2], gwp, M, D, HAS_IN=has_in)
         gw = gwp.sum(0)
         g_norm = (gw * w_proj.float().reshape(-1)).to(w_norm.dtype).reshape(w_norm.shape)
         g_proj = (gw * w_norm.float()).to(w_proj.dtype).reshape(w_proj.shape)
-        return (g_norm, g_proj, None, *[g.view(s) for g, s in zip(grads, ctx.shapes)])
+        return (g_norm, g_proj, None, None, *[g.view(s) for g, s in zip(grads, ctx.shapes)])
