@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine trainer
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route trainer
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -74,10 +74,13 @@ for s in $sections; do
     combine)  # MoE combine: Triton kernels vs the Inductor region vs eager
       python bench/moe_combine.py --sweep 2>&1 | quiet > "$OUT/combine.txt"
       grep -E "^\||check" "$OUT/combine.txt" ;;
+    route)  # MoE routing bookkeeping (top-k, slot sort): Triton kernels vs the model's torch code
+      python bench/moe_route.py --sweep 2>&1 | quiet > "$OUT/route.txt"
+      grep -E "^\||check" "$OUT/route.txt" ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, trainer)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, trainer)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

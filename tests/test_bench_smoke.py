@@ -34,10 +34,11 @@ def test_bench_mla_decode_cpu():
 
 @pytest.mark.parametrize("script,header", [("situ.py", "| routed experts [512, 1024] | k3 triton |"),
                                            ("attn_res.py", "| 4 x [17, 300] | k3 triton |"),
-                                           ("moe_combine.py", "| dispatch k3-small 64 x 8 x 512 | k3 triton |")])
+                                           ("moe_combine.py", "| dispatch k3-small 64 x 8 x 512 | k3 triton |"),
+                                           ("moe_route.py", "| k3-small 64 x 64 x 8 | both |")])
 def test_bench_triton_regions_cpu(script, header):
-    """bench/situ.py, bench/attn_res.py, bench/moe_combine.py: correctness check and table, Triton under
-    the interpreter."""
+    """bench/situ.py, bench/attn_res.py, bench/moe_combine.py, bench/moe_route.py: correctness check and
+    table, Triton under the interpreter."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--device", "cpu"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
 from k3.ops.moe_combine import moe_combine, moe_dispatch
+from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.situ import situ_glu
 
 # --------------------------------------------------------------------------------------------
@@ -177,18 +178,29 @@ def combine_bwd(go: Tensor, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) ->
 # Plain regions (autograd derives the backward; compiled with AOTAutograd when the table is)
 
 
-def router_select(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """Sigmoid router: x [N, d] -> (ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32).
-    The logits matmul is fp32 even under autocast (which would run it in bf16)."""
+def router_scores(x: Tensor, weight: Tensor) -> Tensor:
+    """x [N, d], weight [E, d] -> sigmoid scores [N, E] fp32. The logits matmul is fp32 even under
+    autocast (which would run it in bf16)."""
     with torch.autocast(x.device.type, enabled=False):
-        scores = torch.sigmoid(x.float() @ weight.float().t())
-    choice = (scores + bias.float()).detach()
-    idx = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+        return torch.sigmoid(x.float() @ weight.float().t())
+
+
+def router_weights(scores: Tensor, idx: Tensor, renormalize: bool, scaling: float) -> Tensor:
+    """The chosen experts' scores [N, k] fp32, optionally renormalised to sum 1, times scaling."""
     w = scores.gather(-1, idx)
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return idx, w * scaling, scores
+    return w * scaling
+
+
+def router_select(x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """Sigmoid router: x [N, d] -> (ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32); the bias
+    [E] only selects. The torch region (the spec; `Kernels.route` may run the selection in Triton)."""
+    scores = router_scores(x, weight)
+    choice = (scores + bias.float()).detach()
+    idx = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    return idx, router_weights(scores, idx, renormalize, scaling), scores
 
 
 def sigmoid_gate(x: Tensor, gate: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -349,17 +361,32 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
     return order, inv
 
 
+def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert ids [N, k] int64 -> (order [N*k], inv [N*k], counts [E]) int64: `sort_slots` and the slots
+    per expert. The Triton counting sort of `k3.ops.moe_route` (identical results) when env K3_ROUTE
+    picks it (see `_triton_choice`; not a default yet). Neither synchronises with the host, so both
+    run inside CUDA-graph captures; no autograd involved."""
+    if _triton_choice("K3_ROUTE", idx):
+        return sort_slots_triton(idx, num_experts)
+    order, inv = sort_slots(idx)
+    # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
+    flat = idx.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return order, inv, counts
+
+
 # --------------------------------------------------------------------------------------------
 # the table
 
 
-# regions whose Triton kernels were timed faster than the torch regions in the training step (H200)
+# regions whose Triton kernels were timed faster than the torch regions in the training step (H200);
+# K3_ROUTE (the MoE routing bookkeeping) is not timed in the step yet
 TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH")
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH) picks a region's training implementation. Unset: for
-    the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE) picks a region's training
+    implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
     (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference, where
     serving keeps its compiled graphs). "triton": the kernels, also under the interpreter; "inductor":
     always the compiled / eager torch regions. Read per call, so bench/train.py compares both in one
@@ -403,6 +430,7 @@ class Kernels:
         self.combine_fwd, self.combine_bwd = wrap(combine_fwd), wrap(combine_bwd)
         self.gather_sum = wrap(gather_sum)
         self.router_select, self.sigmoid_gate = wrap(router_select), wrap(sigmoid_gate)
+        self.router_scores, self.router_weights = wrap(router_scores), wrap(router_weights)
         self.silu_streams, self.cross_entropy = wrap(silu_streams), wrap(cross_entropy)
 
     def __repr__(self) -> str:
@@ -457,6 +485,19 @@ class Kernels:
             out, carried = attn_res_mix(cands, w_norm, w_proj, eps, carry=len(bank))
             return out, carried
         return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), bank
+
+    def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
+              ) -> tuple[Tensor, Tensor, Tensor]:
+        """`router_select`: x [N, d] -> (ids [N, k] int64, weights [N, k] fp32, scores [N, E] fp32). The
+        top-k selection (bias added inside) runs as the Triton kernel of `k3.ops.moe_route` when env
+        K3_ROUTE picks it (see `_triton_choice`; not a default yet): its rows list the ids by
+        descending choice value, where torch.topk(sorted=False) keeps its own order (see
+        k3.ops.moe_route: the MoE output differs by fp32 summation order only)."""
+        if _triton_choice("K3_ROUTE", x):
+            scores = self.router_scores(x, weight)
+            idx = topk_route(scores.detach(), top_k, bias)
+            return idx, self.router_weights(scores, idx, renormalize, scaling), scores
+        return self.router_select(x, weight, bias, top_k, renormalize, scaling)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
         """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env

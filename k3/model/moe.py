@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from k3.config import TextConfig
 from k3.model.common import GLUMLP, RMSNorm, keep_fp32
-from k3.model.fused import EAGER, Kernels, sort_slots
+from k3.model.fused import EAGER, Kernels, route_slots
 
 
 class Router(nn.Module):
@@ -30,8 +30,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [N, d] -> (expert ids [N, k] long, weights [N, k] fp32, scores [N, E] fp32)."""
-        idx, w, scores = self.kernels.router_select(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                                    self.renormalize, self.scaling)
+        idx, w, scores = self.kernels.route(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                            self.renormalize, self.scaling)
         if self.score_observer is not None and self.training:
             self.score_observer(scores.detach(), self.e_score_correction_bias)
         return idx, w, scores
@@ -68,10 +68,7 @@ class RoutedExperts(nn.Module):
         k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""
         k = idx.shape[1]
         E, I = self.w1.shape[:2]
-        order, inv = sort_slots(idx)
-        # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
-        flat = idx.reshape(-1)
-        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        order, inv, counts = route_slots(idx, E)
         xs = self.kernels.dispatch(z, order, inv, k)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
