@@ -385,12 +385,12 @@ TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE")
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_ROUTE) picks a region's training implementation. Unset: for
-    the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
-    (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference, where
-    serving keeps its compiled graphs). "triton": the kernels, also under the interpreter; "inductor":
-    always the compiled / eager torch regions. Read per call, so bench/train.py compares both in one
-    process."""
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_ROUTE) picks a region's training implementation.
+    Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
+    autograd (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference,
+    where serving keeps its compiled graphs). "triton": the kernels, also under the interpreter;
+    "inductor": always the compiled / eager torch regions. Read per call, so bench/train.py compares
+    both in one process."""
     choice = os.environ.get(var)
     if choice is None:
         return var in TRITON_BY_DEFAULT and x.is_cuda and torch.is_grad_enabled()
