@@ -364,7 +364,7 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
 def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Expert ids [N, k] int64 -> (order [N*k], inv [N*k], counts [E]) int64: `sort_slots` and the slots
     per expert. The Triton counting sort of `k3.ops.moe_route` (identical results) when env K3_ROUTE
-    picks it (see `_triton_choice`; not a default yet). Neither synchronises with the host, so both
+    picks it (see `_triton_choice`; the CUDA training default). Neither synchronises with the host, so both
     run inside CUDA-graph captures; no autograd involved."""
     if _triton_choice("K3_ROUTE", idx):
         return sort_slots_triton(idx, num_experts)
@@ -379,18 +379,18 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 # the table
 
 
-# regions whose Triton kernels were timed faster than the torch regions in the training step (H200);
-# K3_ROUTE (the MoE routing bookkeeping) is not timed in the step yet
-TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH")
+# regions whose Triton kernels were timed faster than the torch regions in the training step (H200,
+# docs/benchmarks.md)
+TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE")
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
     """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE) picks a region's training
-    implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under autograd
-    (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference, where
-    serving keeps its compiled graphs). "triton": the kernels, also under the interpreter; "inductor":
-    always the compiled / eager torch regions. Read per call, so bench/train.py compares both in one
-    process."""
+    implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
+    autograd (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference,
+    where serving keeps its compiled graphs). "triton": the kernels, also under the interpreter;
+    "inductor": always the compiled / eager torch regions. Read per call, so bench/train.py compares
+    both in one process."""
     choice = os.environ.get(var)
     if choice is None:
         return var in TRITON_BY_DEFAULT and x.is_cuda and torch.is_grad_enabled()
@@ -490,7 +490,7 @@ class Kernels:
               ) -> tuple[Tensor, Tensor, Tensor]:
         """`router_select`: x [N, d] -> (ids [N, k] int64, weights [N, k] fp32, scores [N, E] fp32). The
         top-k selection (bias added inside) runs as the Triton kernel of `k3.ops.moe_route` when env
-        K3_ROUTE picks it (see `_triton_choice`; not a default yet): its rows list the ids by
+        K3_ROUTE picks it (see `_triton_choice`; the CUDA training default): its rows list the ids by
         descending choice value, where torch.topk(sorted=False) keeps its own order (see
         k3.ops.moe_route: the MoE output differs by fp32 summation order only)."""
         if _triton_choice("K3_ROUTE", x):

@@ -12,15 +12,19 @@ equal values, the smallest id; the winner is then masked out, k times.
 
 Slot sort, a stable counting sort in three launches, no atomics and no host sync:
   1. `_block_hist`: per block of B slots, its expert histogram (row b of hist [nblocks, E]).
-  2. `_block_offsets` (one program): the expert totals (counts), then, in place, for every block b
-     and expert e: off[b, e] = start of e + slots of e in blocks < b - slots of experts < e in b.
+  2. `_block_offsets` (a program per 32 experts): in place, for every block b and expert e, the slots
+     of e in blocks < b; and the expert totals (counts).
   3. `_block_scatter`: a block sorts its keys id*B + i (unique, so stable) in registers; the slot at
-     sorted position i of the block, of expert e, lands at off[b, e] + i.
+     sorted position i of the block, of expert e, lands at start of e + slots of e in earlier blocks
+     + i - slots of smaller experts in this block (these sort first in it).
+On the H200 (Triton 3.6; the sort's one-hot alternative, ranks by a running column cumsum of a
+[slots, E] tile, was as fast at E = 64 and 3x slower at E = 896) per k3-small layer: top-k 0.03 ms
+(torch 0.25), slot sort 0.05 ms (torch's argsort + inverse scatter + index_add 0.26); kimi-k3 at
+8,192 tokens (top-16 of 896): 0.09-0.12 ms (0.28) and 0.05 ms (0.14). At these sizes a launch's host
+overhead is a good part of that; bench/moe_route.py times it.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -30,7 +34,7 @@ from k3.ops.moe_route import MAX_EXPERTS
 from k3.ops.triton_utils import env_tile
 
 # (top-k rows x padded experts per program, warps; slots per sort block, warps)
-TILE = (2048, 4, 1024, 4)
+TILE = (1024, 2, 1024, 4)  # ~16 keys per thread; the sweep of bench/moe_route.py was flat around these
 
 _ID_MASK = tl.constexpr(MAX_EXPERTS - 1)  # the packed top-k key's low bits hold 1023 - id
 _DEAD = tl.constexpr(-(2 ** 62))  # below every packed key ((-2^31) * 1024 at the least)
@@ -116,7 +120,7 @@ def _block_scatter(IDS, OFF, COUNTS, ORDER, INV, M, E, B: tl.constexpr, EP: tl.c
     slot, ids, valid = _block_ids(IDS, M, E, B)
     i = tl.arange(0, B)
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    # smaller experts' slots of the block first, so the sorted position i of expert e lands at base[e] + i - lower[e]
+    # the slots of smaller experts come first in the sorted block: position i of expert e is rank i - lower[e]
     h = tl.histogram(ids, EP) - tl.where(tl.arange(0, EP) == 0, B - n_valid, 0)
     start = _block_base(OFF, COUNTS, E, EP) - (tl.cumsum(h, axis=0) - h)
     # unique keys (expert, position in block): the in-register sort is stable; the tail sorts last
@@ -131,23 +135,6 @@ def _block_scatter(IDS, OFF, COUNTS, ORDER, INV, M, E, B: tl.constexpr, EP: tl.c
     pos = (tl.load(row + e, mask=ok, other=0) + i).to(tl.int64)
     tl.store(ORDER + pos, src, mask=ok)
     tl.store(INV + src, pos, mask=ok)
-
-
-@triton.jit
-def _block_scatter_onehot(IDS, OFF, COUNTS, ORDER, INV, M, E, B: tl.constexpr, C: tl.constexpr, EP: tl.constexpr):
-    """Slots ranked C at a time: a one-hot [C, EP] tile, its running column sums are the ranks."""
-    base = _block_base(OFF, COUNTS, E, EP)
-    cols = tl.arange(0, EP)
-    for c0 in range(0, B, C):
-        slot = tl.program_id(0).to(tl.int64) * B + c0 + tl.arange(0, C)
-        valid = slot < M
-        ids = tl.load(IDS + slot, mask=valid, other=0).to(tl.int32)
-        ids = tl.minimum(tl.maximum(ids, 0), E - 1)
-        hot = ((ids[:, None] == cols[None, :]) & valid[:, None]).to(tl.int32)
-        pos = tl.sum(hot * (tl.cumsum(hot, axis=0) - hot + base[None, :]), axis=1).to(tl.int64)
-        tl.store(ORDER + pos, slot, mask=valid)
-        tl.store(INV + slot, pos, mask=valid)
-        base += tl.sum(hot, axis=0)
 
 
 def tile() -> tuple[int, ...]:
@@ -188,9 +175,5 @@ def sort_flat(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     be = min(ep, 32)
     bb = max(1, min(2048 // be, triton.next_power_of_2(nb)))
     _block_offsets[(triton.cdiv(E, be),)](hist, counts, nb, E, BB=bb, BE=be, num_warps=4)
-    if os.environ.get("K3_ROUTE_SCATTER", "sort") == "sort":
-        _block_scatter[(nb,)](flat, hist, counts, order, inv, M, E, B=b, EP=ep, num_warps=warps)
-    else:
-        c = max(1, min(b, 4096 // ep))
-        _block_scatter_onehot[(nb,)](flat, hist, counts, order, inv, M, E, B=b, C=c, EP=ep, num_warps=warps)
+    _block_scatter[(nb,)](flat, hist, counts, order, inv, M, E, B=b, EP=ep, num_warps=warps)
     return order, inv, counts
