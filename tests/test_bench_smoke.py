@@ -13,7 +13,7 @@ def test_bench_train_tiny_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--tiny", "--device", "cpu", "--steps", "1",
                         "--seq-lens", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "| torch | bf16 | inductor | inductor | inductor | inductor | 4 | 64 |" in r.stdout  # 4 rows of 64 = 4 documents
+    assert "| torch | bf16 | inductor | inductor | inductor | inductor | inductor | 4 | 64 |" in r.stdout  # 4 rows of 64 = 4 documents
 
 
 def test_bench_serve_tiny_decode_cpu():
