@@ -136,8 +136,9 @@ def test_carried_bank_gradients_sum_in_the_kernel(dtype):
 
 
 def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
-    """A k3-tiny forward/backward with the Triton AttnRes path (bank passed through the mixes) gives the
-    loss and gradients of the torch regions (fp32, interpreter on the CPU)."""
+    """A k3-tiny forward/backward with the Triton AttnRes path (bank passed through the mixes), with and
+    without activation checkpointing, gives the loss and gradients of the torch regions (fp32,
+    interpreter on the CPU)."""
     from k3.config import get_preset
     from k3.model.causal_lm import K3ForCausalLM
 
@@ -149,17 +150,23 @@ def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
             p.data.normal_(0, 0.5)
     ids = torch.randint(0, cfg.text_config.vocab_size, (1, 24), device=DEV)
     grads = {}
-    for choice in ("triton", "inductor"):
+    model.train()
+    for choice, ckpt in (("triton", False), ("inductor", False), ("triton", True)):
         monkeypatch.setenv("K3_ATTNRES", choice)
+        model.model.gradient_checkpointing = ckpt  # the carried views also cross checkpointed layers
         model.zero_grad()
         loss = model(ids, labels=ids).loss
         loss.backward()
-        grads[choice] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    (la, ga), (lb, gb) = grads["triton"], grads["inductor"]
-    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
-    assert ga.keys() == gb.keys()
-    for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-5 * max(1.0, gb[n].abs().max().item()), msg=n)
+        grads[choice, ckpt] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.grad is not None})
+    lb, gb = grads["inductor", False]
+    for key in (("triton", False), ("triton", True)):
+        la, ga = grads[key]
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+        assert ga.keys() == gb.keys()
+        for n in ga:
+            torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-5 * max(1.0, gb[n].abs().max().item()),
+                                       msg=f"{key} {n}")
 
 
 @pytest.mark.gpu
