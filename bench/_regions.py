@@ -13,9 +13,13 @@ import torch
 HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
 
 
-def parse(doc: str, argv=None, tiny_help: str = "small shapes") -> argparse.Namespace:  # noqa: ANN001
-    """--tokens, --sweep, --device, --tiny; a CPU device switches Triton to its interpreter."""
+def parse(doc: str, argv=None, tiny_help: str = "small shapes",  # noqa: ANN001
+          extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """--tokens, --sweep, --device, --tiny (and what `extra` adds); a CPU device switches Triton to its
+    interpreter."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--sweep", action="store_true", help="also time Triton program tiles")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,12 +77,14 @@ def report(label: str, res: dict[str, tuple[float, float]], fwd_bytes: int, bwd_
               f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
 
 
-def start(doc: str, argv, var: str | tuple[str, ...], tiny_help: str):  # noqa: ANN001, ANN201
-    """Flags, timer, and the compiled torch regions (Kernels) for the benchmark of region env `var` (or
-    several): each is pinned to "inductor" so the rows that go through Kernels time the torch regions."""
+def start(doc: str, argv, var: str | tuple[str, ...], tiny_help: str,  # noqa: ANN001, ANN201
+          extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """Flags (see `parse`), timer, and the compiled torch regions (Kernels) for the benchmark of region env
+    `var` (or several): each is pinned to "inductor" so the rows that go through Kernels time the torch
+    regions."""
     from k3.model.fused import Kernels
 
-    args = parse(doc, argv, tiny_help)
+    args = parse(doc, argv, tiny_help, extra)
     os.environ.update({v: "inductor" for v in ((var,) if isinstance(var, str) else var)})
     compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     return args, timer(args.device), compiled

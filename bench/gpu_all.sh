@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route trainer
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -77,10 +77,16 @@ for s in $sections; do
     route)  # MoE routing bookkeeping (top-k, slot sort): Triton kernels vs the model's torch code
       python bench/moe_route.py --sweep 2>&1 | quiet > "$OUT/route.txt"
       grep -E "^\||check" "$OUT/route.txt" ;;
+    ce)  # lm_head + cross-entropy: the fused chunked path (k3.ops.cross_entropy) vs the Inductor region vs
+      # eager, then the k3-small step with K3_CE inductor (today's path) and triton
+      { python bench/cross_entropy.py --chunks 4096,8192,16384 --sweep
+        python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
+          --ce inductor,triton; } 2>&1 | quiet > "$OUT/ce.txt"
+      grep -E "^\||check" "$OUT/ce.txt" ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, trainer)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -13,7 +13,8 @@ def test_bench_train_tiny_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--tiny", "--device", "cpu", "--steps", "1",
                         "--seq-lens", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "| torch | bf16 | inductor | inductor | inductor | inductor | inductor | 4 | 64 |" in r.stdout  # 4 rows of 64 = 4 documents
+    # six region columns (SiTU, AttnRes, combine, dispatch, routing, loss); 4 rows of 64 = 4 documents
+    assert "| torch | bf16 |" + " inductor |" * 6 + " 4 | 64 |" in r.stdout
 
 
 def test_bench_serve_tiny_decode_cpu():
@@ -35,10 +36,11 @@ def test_bench_mla_decode_cpu():
 @pytest.mark.parametrize("script,header", [("situ.py", "| routed experts [512, 1024] | k3 triton |"),
                                            ("attn_res.py", "| 4 x [17, 300] | k3 triton |"),
                                            ("moe_combine.py", "| dispatch k3-small 64 x 8 x 512 | k3 triton |"),
-                                           ("moe_route.py", "| k3-small 64 x 64 x 8 | both |")])
+                                           ("moe_route.py", "| k3-small 64 x 64 x 8 | both |"),
+                                           ("cross_entropy.py", "| k3 fused, chunk 16 |")])
 def test_bench_triton_regions_cpu(script, header):
-    """bench/situ.py, bench/attn_res.py, bench/moe_combine.py, bench/moe_route.py: correctness check and
-    table, Triton under the interpreter."""
+    """bench/situ.py, bench/attn_res.py, bench/moe_combine.py, bench/moe_route.py, bench/cross_entropy.py:
+    correctness check and table, Triton under the interpreter."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--device", "cpu"],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -23,7 +23,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 @dataclass
 class CausalLMOutput:
-    """logits: [B, T, vocab] (fp32 when computed for a loss); loss: mean token cross-entropy or None;
+    """logits: [B, T, vocab] in the lm_head's compute dtype, or None when the forward was asked for the
+    loss only (return_logits=False); loss: mean token cross-entropy (fp32) or None;
     hidden_states: {layer index: [B, T, d]} for the layers asked for."""
 
     logits: torch.Tensor | None
@@ -50,14 +51,19 @@ class K3ForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                 cache: HybridCache | None = None, hidden_state_layers: list[int] | None = None,
                 logits_to_keep: int = 0, media: list[torch.Tensor] | None = None,
-                media_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+                media_embeds: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
         """input_ids: [B, T] long (packed [1, total] with `cu_seqlens` [N+1]).
         labels: [B, T] target ids aligned with the inputs (already shifted), -100 = ignore.
         logits_to_keep: if > 0, only the last that many positions get logits (e.g. 1 for decoding).
         media / media_embeds: images [3, H, W] and videos [T, 3, H, W] (normalised floats), or their
             `encode_media` output [N, hidden]; they replace the `media_placeholder_token_id` positions
             of input_ids in row-major order (see `embed_with_media`).
+        return_logits: False (with labels) returns logits=None and only the loss, which may then be
+            computed without materialising the logits (`Kernels.lm_loss`: env K3_CE=triton); training
+            loops that read only `.loss` pass False.
         """
+        if not return_logits and labels is None:
+            raise ValueError("return_logits=False needs labels: the loss is all the output would hold")
         if media is not None or media_embeds is not None or self._has_pads(input_ids):
             inputs_embeds = self.embed_with_media(input_ids, media=media, media_embeds=media_embeds,
                                                   inputs_embeds=inputs_embeds)
@@ -66,11 +72,14 @@ class K3ForCausalLM(nn.Module):
                                hidden_state_layers=hidden_state_layers)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
+        if labels is not None and labels.shape != h.shape[:2]:
+            raise ValueError(f"labels must be {list(h.shape[:2])}, got {list(labels.shape)}")
+        if not return_logits:
+            return CausalLMOutput(logits=None, loss=self.model.kernels.lm_loss(h, self.lm_head, labels),
+                                  hidden_states=hidden)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels must be {list(logits.shape[:2])}, got {list(labels.shape)}")
             loss = self.model.kernels.cross_entropy(logits, labels)  # fp32 CE; one fused region when compiled
         return CausalLMOutput(logits=logits, loss=loss, hidden_states=hidden)
 

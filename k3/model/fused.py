@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
+from k3.ops.cross_entropy import linear_cross_entropy
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.situ import situ_glu
@@ -385,7 +386,7 @@ TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_R
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE) picks a region's training
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE) picks a region's training
     implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
     autograd (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference,
     where serving keeps its compiled graphs). "triton": the kernels, also under the interpreter;
@@ -498,6 +499,19 @@ class Kernels:
             idx = topk_route(scores.detach(), top_k, bias)
             return idx, self.router_weights(scores, idx, renormalize, scaling), scores
         return self.router_select(x, weight, bias, top_k, renormalize, scaling)
+
+    def lm_loss(self, h: Tensor, lm_head: torch.nn.Linear, labels: Tensor) -> Tensor:
+        """Mean token cross-entropy of lm_head(h) against labels, for callers that need no logits: h [..., d],
+        labels [...] (-100 = ignore) -> 0-dim fp32. When env K3_CE picks it (see `_triton_choice`; opt-in
+        until timed) the chunked linear + cross-entropy of `k3.ops.cross_entropy`, which never holds
+        more than one chunk of logits and computes the gradients in its forward (an fp32 lm_head weight
+        under autocast is cast to the autocast dtype inside and gets an fp32 gradient); else the
+        lm_head module and `cross_entropy`, as `K3ForCausalLM.forward` with logits."""
+        if _triton_choice("K3_CE", h):
+            if lm_head.bias is not None:
+                raise ValueError("K3_CE=triton: the fused loss has no lm_head bias")
+            return linear_cross_entropy(h.reshape(-1, h.shape[-1]), lm_head.weight, labels.reshape(-1))
+        return self.cross_entropy(lm_head(h), labels)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
         """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env

@@ -262,7 +262,7 @@ class Trainer:
                                                                to_device_async(cu, self.device), vb,
                                                                self.cfg.vision_loss_weight)
                 elif self.par is None:
-                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
                 else:
                     local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), mb.seq_len)
                     objective, mloss = self.par.loss(self.model, local)
@@ -309,7 +309,7 @@ class Trainer:
             cu = batch.cu_seqlens
             with self._autocast():
                 if self.par is None:
-                    loss = self.model(ids, labels=labels, cu_seqlens=cu).loss
+                    loss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
                 else:
                     local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), batch.seq_len)
                     loss = self.par.loss(self.model, local)[1]

@@ -84,6 +84,34 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(corpus, tmp_path, micr
             torch.testing.assert_close(dict(acc.model.named_buffers())[k], b, rtol=0, atol=1e-6, msg=k)
 
 
+def test_fused_loss_trains_like_the_default(corpus, tmp_path, monkeypatch):
+    """K3_CE=triton (the fused linear + cross-entropy; the Triton interpreter on a CPU): a step over two
+    micro-batches gives the default path's loss and gradients, and the validation loss (the fused
+    forward under no_grad) agrees, to fp32 rounding."""
+    from k3.model import fused
+
+    calls = []
+    real = fused.linear_cross_entropy
+    monkeypatch.setattr(fused, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(max_steps=1, stages=[Stage(64, 1.0)], eval_every=100, micro_batch_tokens=128)
+    res = {}
+    for ce in ("inductor", "triton"):
+        monkeypatch.setenv("K3_CE", ce)
+        t = Trainer(_cfg(corpus, tmp_path / ce, tmp_path, **kw))
+        grads = {}
+        step = t.opt.step
+        t.opt.step = lambda t=t, step=step: (
+            grads.update({k: p.grad.clone() for k, p in t.model.named_parameters() if p.grad is not None}), step())
+        rec = t.train_step()
+        res[ce] = (rec["loss"], grads, t.evaluate())
+        assert bool(calls) == (ce == "triton")
+    (la, ga, va), (lb, gb, vb) = res["inductor"], res["triton"]
+    assert lb == pytest.approx(la, rel=1e-6) and vb == pytest.approx(va, rel=1e-6)
+    assert ga.keys() == gb.keys()
+    for k, g in ga.items():
+        torch.testing.assert_close(gb[k], g, rtol=1e-4, atol=1e-5 * g.abs().max().item() + 1e-8, msg=k)
+
+
 def test_micro_batch_tokens_is_validated():
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         TrainConfig(tokens_per_step=256, stages=[Stage(64, 1.0)], micro_batch_tokens=512).validate()
