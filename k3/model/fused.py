@@ -510,6 +510,9 @@ class Kernels:
         if _triton_choice("K3_CE", h):
             if lm_head.bias is not None:
                 raise ValueError("K3_CE=triton: the fused loss has no lm_head bias")
+            if type(lm_head.weight.data) is not torch.Tensor:  # e.g. an FSDP-sharded DTensor
+                raise ValueError(f"K3_CE=triton needs a plain, unsharded lm_head weight, got "
+                                 f"{type(lm_head.weight.data).__name__}; use K3_CE=inductor")
             return linear_cross_entropy(h.reshape(-1, h.shape[-1]), lm_head.weight, labels.reshape(-1))
         return self.cross_entropy(lm_head(h), labels)
 

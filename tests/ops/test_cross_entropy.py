@@ -203,6 +203,25 @@ def test_model_loss_only_path_matches_default(monkeypatch):
         model(ids, return_logits=False)
 
 
+def test_lm_loss_refuses_what_the_fused_path_cannot_take(monkeypatch):
+    """K3_CE=triton with an lm_head bias, or a weight held as a tensor subclass (an FSDP-sharded
+    DTensor): a clear error naming the switch, not a wrong loss."""
+    from k3.model.fused import EAGER
+
+    monkeypatch.setenv("K3_CE", "triton")
+    h, labels = torch.randn(2, 3, 8, device=DEV), torch.zeros(2, 3, dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match="bias"):
+        EAGER.lm_loss(h, torch.nn.Linear(8, 16, bias=True).to(DEV), labels)
+
+    class Sharded(torch.Tensor):
+        pass
+
+    head = torch.nn.Linear(8, 16, bias=False).to(DEV)
+    head.weight = torch.nn.Parameter(head.weight.detach().as_subclass(Sharded))
+    with pytest.raises(ValueError, match="unsharded"):
+        EAGER.lm_loss(h, head, labels)
+
+
 @pytest.mark.gpu
 def test_k3_small_size_on_gpu(monkeypatch):
     """65,536 tokens x hidden 1,024 x vocab 32,768, bf16 h and W (fp32 master weight under autocast, as in
