@@ -6,8 +6,9 @@ Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; ba
 dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
---sweep also times the fused and the split backward (env K3_CONV_BWD) with other program tiles
-(env K3_CONV_BWD_{BT,BC,WARPS}, read per call by k3/ops/short_conv/triton_conv.py) and the split
+--sweep also times the fused, the split and the one-pass backward (env K3_CONV_BWD) with other
+program tiles (env K3_CONV_BWD_{BT,BC,WARPS}, K3_CONV_BWD1_* for the one-pass kernel, read per call
+by k3/ops/short_conv/triton_conv.py) and the split
 backward's dz scratch in fp32 and in x's dtype (env K3_CONV_DZ=fp32 / half; the default for bf16 is
 x's dtype) on the same inputs.
 
@@ -60,16 +61,18 @@ def check(streams: int) -> None:
     do = torch.randn_like(ref)
     ref.backward(do)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    for dz in ("fp32", "half"):  # the split backward's dz scratch (env K3_CONV_DZ; bf16 default: half)
-        os.environ["K3_CONV_DZ"] = dz
+    for mode, dz in (("split", "fp32"), ("split", "half"), ("onepass", "half")):  # env K3_CONV_BWD / K3_CONV_DZ
+        os.environ.update(K3_CONV_BWD=mode, K3_CONV_DZ=dz)
         x.grad = w.grad = None
         out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
         backward(out, do.to(x.dtype))
         e = (rel(torch.stack(out), ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
-        print(f"check (bf16 vs float64, T {T}, 5 documents, dz {dz}): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
+        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} backward, dz {dz}): out {e[0]:.2e}, "
+              f"dx {e[1]:.2e}, dw {e[2]:.2e}")
         if max(e) > 1e-2:
             raise SystemExit("short conv check FAILED")
     os.environ.pop("K3_CONV_DZ")
+    os.environ.pop("K3_CONV_BWD")
 
 
 def main(argv=None) -> int:
@@ -129,9 +132,13 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
                                                                  (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
     # the dz scratch in x's dtype (env K3_CONV_DZ=half, the bf16 default): half its bytes
     tiles += [("split", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 256, 4)]]
+    # one pass: dz of a block and its halo in registers, shifted by exact selection dots (untimed so far)
+    tiles += [("onepass", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 8), (64, 128, 4), (32, 128, 4), (64, 64, 4),
+                                                                   (128, 64, 8), (32, 256, 8)]]
     for mode, dz, bt, bc, warps in tiles:
-        env = {"K3_CONV_BWD": mode, "K3_CONV_DZ": "fp32" if dz == "-" else dz, "K3_CONV_BWD_BT": str(bt),
-               "K3_CONV_BWD_BC": str(bc), "K3_CONV_BWD_WARPS": str(warps)}
+        knob = "K3_CONV_BWD1" if mode == "onepass" else "K3_CONV_BWD"
+        env = {"K3_CONV_BWD": mode, "K3_CONV_DZ": "fp32" if dz == "-" else dz, f"{knob}_BT": str(bt),
+               f"{knob}_BC": str(bc), f"{knob}_WARPS": str(warps)}
         os.environ.update(env)
         try:
             ms = do_bench(lambda: backward(fn(), do), warmup=25, rep=100, grad_to_none=[x, w])

@@ -57,10 +57,11 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-@pytest.fixture(params=["fused", "split-fp32", "split-half"])
+@pytest.fixture(params=["fused", "split-fp32", "split-half", "onepass-fp32", "onepass-half"])
 def bwd(request, monkeypatch):
-    """The backward kernels: fused, and split (a dz scratch, then dx / dw) with the scratch in fp32 or in x's
-    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype)."""
+    """The backward kernels: fused, split (a dz scratch, then dx / dw) and onepass (dz of a block and its
+    halo in registers, shifted by selection dots), with dz in fp32 or in x's dtype (K3_CONV_DZ; the
+    default "auto" is one of the two, see test_dz_dtype)."""
     mode, dz = (request.param.split("-") + ["fp32"])[:2]
     monkeypatch.setenv("K3_CONV_BWD", mode)
     monkeypatch.setenv("K3_CONV_DZ", dz)
@@ -220,3 +221,35 @@ def test_gpu_large_bf16(bwd):
     _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True)
     # k3-small's layout: q|k|v leading a 4,232-wide fused projection (rows 16-byte aligned, VT = 8)
     _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True, pad=1160, at=0)
+
+
+@pytest.mark.parametrize("dtype,dz", [(torch.bfloat16, "half"), (torch.float32, "fp32")])
+def test_onepass_equals_split(dtype, dz, monkeypatch):
+    """The one-pass backward rounds dz where the split path stores it and shifts it exactly, so dx and dw
+    are the split path's bit for bit (same 64-row blocks); packed documents, a sliced x, a stream
+    whose output is unused, 64-row block edges with documents crossing them."""
+    torch.manual_seed(1)
+    B, T, S, C, W = 1, 150, 3, 40, 4
+    full = torch.randn(B, T, S * C + 7, device=DEV, dtype=dtype)
+    x = full[..., 2:2 + S * C]
+    w = torch.randn(S * C, 1, W, device=DEV) * 0.5
+    cu = torch.tensor([0, 2, 63, 66, 129, 150], device=DEV, dtype=torch.int32)
+    dos = [torch.randn(B, T, C, device=DEV, dtype=dtype) for _ in range(S)]
+    monkeypatch.setenv("K3_CONV_DZ", dz)
+    grads = {}
+    for mode in ("split", "onepass"):
+        monkeypatch.setenv("K3_CONV_BWD", mode)
+        xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+        outs = short_conv_silu(xl, wl, streams=S, cu_seqlens=cu)
+        torch.autograd.backward([outs[0], outs[2]], [dos[0], dos[2]])  # stream 1 unused
+        grads[mode] = (xl.grad, wl.grad)
+    assert torch.equal(grads["split"][0], grads["onepass"][0])
+    assert torch.equal(grads["split"][1], grads["onepass"][1])
+
+
+def test_onepass_rejects_tiles_below_the_dots(monkeypatch):
+    monkeypatch.setenv("K3_CONV_BWD", "onepass")
+    monkeypatch.setenv("K3_CONV_BWD1_BT", "8")
+    x = torch.randn(1, 20, 12, device=DEV, requires_grad=True)
+    with pytest.raises(ValueError, match="onepass"):
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()

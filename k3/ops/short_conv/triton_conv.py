@@ -23,17 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.triton_utils import INTERPRETED, cvt, env_tile
 
 # (rows, channels, warps) per program. Backward: the split kernels with 64-row blocks measured fastest
 # (H200, 65,536 tokens x 3,072 channels bf16, fwd+bwd: split 64/128/4 1.88 ms, split 32/128/4 2.26 ms,
 # fused 32/128/4 2.86 ms; bench/short_conv.py --sweep; split 64/128/4 with the dz scratch in bf16:
 # 1.59 ms, now the default).
-TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4)}
+TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4), "BWD1": (64, 128, 8)}  # BWD1: onepass, untimed
 
 
 def _tiles(direction: str) -> tuple[int, ...]:
-    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD}_{BT,BC,WARPS} override the
+    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD,BWD1}_{BT,BC,WARPS} override the
     defaults (read per call: bench/short_conv.py --sweep times the combinations)."""
     return env_tile(f"K3_CONV_{direction}", ("BT", "BC", "WARPS"), TILES[direction])
 
@@ -161,10 +161,78 @@ def _short_conv_bwd(x, w, starts, d0, d1, d2, d3, dz, dx, dw_part, B, T, sxb_v, 
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
 
+@triton.jit
+def _shift_rows(S, d, HALF: tl.constexpr):
+    """S @ d for a 0/1 selection matrix S (at most one 1 per row): row r of d moved to where S puts it.
+    Exact: each output is one product by 1 (16-bit d: its own MMA, fp32 accumulation; fp32 d: an
+    "ieee" dot, as tf32 would round it). The interpreter's 16-bit dots are wrong (Triton 3.9 on CPU
+    tensors), so there the 16-bit values go through the fp32 dot: the same exact result."""
+    if HALF and not INTERPRETED:
+        return tl.dot(S.to(d.dtype), d)
+    elif HALF:
+        return tl.dot(S.to(tl.float32), d.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(S.to(tl.float32), d, input_precision="ieee")
+
+
+@triton.jit
+def _short_conv_bwd1(x, w, starts, d0, d1, d2, d3, dx, dw_part, B, T, sxb_v, sxt_v,
+                     SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr, W: tl.constexpr,
+                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, HALF_DZ: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HALO: tl.constexpr):
+    """The one-pass backward: dz = dL/d(conv output) of this block's rows and of the W-1 rows after it
+    (the halo, recomputed), rounded to x's dtype with HALF_DZ (else fp32) as the split path's scratch
+    is (`_dz_dtype`), kept in registers; dw partials from it; dx[s] = sum_e w[W-1-e] dz[s+e] with the row shift by e done as
+    an exact selection dot (registers cannot be shifted), so x and the stream gradients are read once
+    and only dx is written: no dz scratch round trip, one launch."""
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT
+    t0 = i_t * BLOCK_T
+    r = tl.arange(0, BLOCK_T)
+    h = tl.arange(0, HALO)
+    o_s = t0 + r
+    o_h = t0 + BLOCK_T + h
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_s, m_c = o_s < T, o_c < SC
+    m_h = (h < W - 1) & (o_h < T)
+    xb = x + i_b.to(tl.int64) * sxb_v * VB
+    cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
+    dob = cols[None, :] + i_b.to(tl.int64) * T * C
+    # dz of the block's rows and of the halo rows, rounded like the split path's scratch
+    y = _conv_rows(w, starts, xb, o_s, m_s, o_c, m_c, sxt, W, HAS_STARTS)
+    dy = tl.load(dob + o_s.to(tl.int64)[:, None] * C, mask=m_s[:, None] & (m_c & live)[None, :], other=0.0)
+    sg = _sigmoid(y)
+    dz = dy.to(tl.float32) * sg * (1.0 + y * (1.0 - sg))
+    yh = _conv_rows(w, starts, xb, o_h, m_h, o_c, m_c, sxt, W, HAS_STARTS)
+    dyh = tl.load(dob + o_h.to(tl.int64)[:, None] * C, mask=m_h[:, None] & (m_c & live)[None, :], other=0.0)
+    sgh = _sigmoid(yh)
+    dzh = dyh.to(tl.float32) * sgh * (1.0 + yh * (1.0 - sgh))
+    if HALF_DZ:
+        dz = cvt(dz, x.dtype.element_ty)
+        dzh = cvt(dzh, x.dtype.element_ty)
+    _dw_partials(dw_part, xb, starts, dz.to(tl.float32), o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
+                 SC, W, HAS_STARTS)
+    dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for e in tl.static_range(W):
+        # output row t = s + e reads input row s through tap W-1-e, if s lies in t's document
+        t = o_s + e
+        m_out = m_s & (t < T)
+        if HAS_STARTS:
+            m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
+        d = _shift_rows(r[:, None] + e == r[None, :], dz, HALF_DZ) \
+            + _shift_rows(r[:, None] + e == BLOCK_T + h[None, :], dzh, HALF_DZ)
+        d = tl.where(m_out[:, None], d, 0.0)
+        dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
+    tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
+             dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
+
+
 def _bwd_mode() -> str:
+    """Env K3_CONV_BWD: "split" (default), "fused" or "onepass" (`_short_conv_bwd1`, untimed on a GPU:
+    about half the split path's bytes)."""
     mode = os.environ.get("K3_CONV_BWD", "split")
-    if mode not in ("fused", "split"):
-        raise ValueError(f"K3_CONV_BWD must be 'fused' or 'split', got {mode!r}")
+    if mode not in ("fused", "split", "onepass"):
+        raise ValueError(f"K3_CONV_BWD must be 'fused', 'split' or 'onepass', got {mode!r}")
     return mode
 
 
@@ -242,13 +310,21 @@ class ShortConvSiLU(torch.autograd.Function):
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype)
-        bt, bc, warps = _tiles("BWD")
-        grid = _grid(B, T, SC, bt, bc)
-        dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         st = starts if starts is not None else weight
         has = starts is not None
-        split = _bwd_mode() == "split"
+        mode = _bwd_mode()
         strides = _strides(x)
+        bt, bc, warps = _tiles("BWD1" if mode == "onepass" else "BWD")
+        grid = _grid(B, T, SC, bt, bc)
+        dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
+        if mode == "onepass":
+            if bt < 16 or bc < 16:
+                raise ValueError(f"K3_CONV_BWD=onepass: tile {bt} x {bc} is below the dots' 16 x 16")
+            _short_conv_bwd1[grid](x, weight, st, *ds, dx, dw_part, B, T, **strides, SC=SC, C=C, S=S, LIVE=live,
+                                   W=W, HAS_STARTS=has, HALF_DZ=_dz_dtype(x) != torch.float32, BLOCK_T=bt,
+                                   BLOCK_C=bc, HALO=max(16, triton.next_power_of_2(W - 1)), num_warps=warps)
+            return dx, dw_part.sum(0).t().contiguous(), None, None
+        split = mode == "split"
         dz = dx  # not read by the fused kernel (SPLIT=False), which recomputes dz
         if split:
             dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
