@@ -62,6 +62,24 @@ def _conv_rows(w, starts, xb, rows, m_rows, o_c, m_c, sxt,
 
 
 @triton.jit
+def _reads(starts, o_s, e: tl.constexpr, m_s, T, HAS_STARTS: tl.constexpr):
+    """Whether output row t = s + e reads input row s (through tap W-1-e): t exists and s lies in t's
+    document."""
+    t = o_s + e
+    m_out = m_s & (t < T)
+    if HAS_STARTS:
+        m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
+    return m_out
+
+
+@triton.jit
+def _silu_grad(dy, y):
+    """dL/dy of SiLU(y) given dL/dSiLU = dy (fp32)."""
+    sg = _sigmoid(y)
+    return dy * sg * (1.0 + y * (1.0 - sg))
+
+
+@triton.jit
 def _dw_partials(dw_part, xb, starts, dz, rows, m_rows, o_c, m_c, sxt, block,
                  SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr):
     """dw_part[block, j, c] = sum over this block's output rows t of dz[t, c] x[t - (W-1) + j, c] (same document)."""
@@ -109,15 +127,14 @@ def _short_conv_fwd(x, w, starts, y0, y1, y2, y3, dz, B, T, sxb_v, sxt_v,
     m_t, m_c = o_t < T, o_c < SC
     m = m_t[:, None] & m_c[None, :]
     y = _conv_rows(w, starts, x + i_b.to(tl.int64) * sxb_v * VB, o_t, m_t, o_c, m_c, sxt, W, HAS_STARTS)
-    sg = _sigmoid(y)
     cols, live = _stream_cols(y0, y1, y2, y3, o_c, C, S, LIVE)
     ptr = cols[None, :] + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * C
     if DZ:
         dy = tl.load(ptr, mask=m & live[None, :], other=0.0).to(tl.float32)
         tl.store(dz + (i_b.to(tl.int64) * T + o_t.to(tl.int64))[:, None] * SC + o_c[None, :],
-                 cvt(dy * sg * (1.0 + y * (1.0 - sg)), dz.dtype.element_ty), mask=m)
+                 cvt(_silu_grad(dy, y), dz.dtype.element_ty), mask=m)
     else:
-        tl.store(ptr, (y * sg).to(y0.dtype.element_ty), mask=m)
+        tl.store(ptr, (y * _sigmoid(y)).to(y0.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -140,19 +157,15 @@ def _short_conv_bwd(x, w, starts, d0, d1, d2, d3, dz, dx, dw_part, B, T, sxb_v, 
     dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
-        # output row t = s + e reads input row s through tap W-1-e, if s lies in t's document
         t = o_s + e
-        m_out = m_s & (t < T)
-        if HAS_STARTS:
-            m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
+        m_out = _reads(starts, o_s, e, m_s, T, HAS_STARTS)
         m = m_out[:, None] & m_c[None, :]
         if SPLIT:
             d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0).to(tl.float32)
         else:
             y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
             dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m & live[None, :], other=0.0).to(tl.float32)
-            sg = _sigmoid(y)
-            d = dy * sg * (1.0 + y * (1.0 - sg))
+            d = _silu_grad(dy, y)
         dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
         if e == 0:
             _dw_partials(dw_part, xb, starts, d, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
@@ -201,12 +214,10 @@ def _short_conv_bwd1(x, w, starts, d0, d1, d2, d3, dx, dw_part, B, T, sxb_v, sxt
     # dz of the block's rows and of the halo rows, rounded like the split path's scratch
     y = _conv_rows(w, starts, xb, o_s, m_s, o_c, m_c, sxt, W, HAS_STARTS)
     dy = tl.load(dob + o_s.to(tl.int64)[:, None] * C, mask=m_s[:, None] & (m_c & live)[None, :], other=0.0)
-    sg = _sigmoid(y)
-    dz = dy.to(tl.float32) * sg * (1.0 + y * (1.0 - sg))
+    dz = _silu_grad(dy.to(tl.float32), y)
     yh = _conv_rows(w, starts, xb, o_h, m_h, o_c, m_c, sxt, W, HAS_STARTS)
     dyh = tl.load(dob + o_h.to(tl.int64)[:, None] * C, mask=m_h[:, None] & (m_c & live)[None, :], other=0.0)
-    sgh = _sigmoid(yh)
-    dzh = dyh.to(tl.float32) * sgh * (1.0 + yh * (1.0 - sgh))
+    dzh = _silu_grad(dyh.to(tl.float32), yh)
     if HALF_DZ:
         dz = cvt(dz, x.dtype.element_ty)
         dzh = cvt(dzh, x.dtype.element_ty)
@@ -214,11 +225,7 @@ def _short_conv_bwd1(x, w, starts, d0, d1, d2, d3, dx, dw_part, B, T, sxb_v, sxt
                  SC, W, HAS_STARTS)
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
-        # output row t = s + e reads input row s through tap W-1-e, if s lies in t's document
-        t = o_s + e
-        m_out = m_s & (t < T)
-        if HAS_STARTS:
-            m_out = m_out & (o_s >= tl.load(starts + t, mask=m_out, other=0))
+        m_out = _reads(starts, o_s, e, m_s, T, HAS_STARTS)
         d = _shift_rows(r[:, None] + e == r[None, :], dz, HALF_DZ) \
             + _shift_rows(r[:, None] + e == BLOCK_T + h[None, :], dzh, HALF_DZ)
         d = tl.where(m_out[:, None], d, 0.0)
