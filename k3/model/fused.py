@@ -467,11 +467,7 @@ class Kernels:
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
         """Block-AttnRes mix (see k3.model.common.attn_res_mix): the Triton kernels of `k3.ops.attn_res`
         when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`)."""
-        if len(cands) == 1:
-            return cands[0]
-        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            return attn_res_mix(cands, w_norm, w_proj, eps)
-        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands)
+        return self._attn_res(cands, w_norm, w_proj, eps, carry=0)[0]
 
     def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float
                       ) -> tuple[Tensor, list[Tensor]]:
@@ -479,13 +475,18 @@ class Kernels:
         back as pass-through views (`attn_res_mix(carry=...)`): each bank entry then has one consumer
         per mix in a chain, and its gradients from all later mixes are summed inside the backward
         kernels, not by autograd's separate add passes. Elsewhere the bank is returned as given."""
-        if not bank:
-            return prefix, bank
-        cands = bank + [prefix]
-        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", prefix):
-            out, carried = attn_res_mix(cands, w_norm, w_proj, eps, carry=len(bank))
-            return out, carried
-        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), bank
+        return self._attn_res(bank + [prefix], w_norm, w_proj, eps, carry=len(bank))
+
+    def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int
+                  ) -> tuple[Tensor, list[Tensor]]:
+        """(mix of cands, cands[:carry] to pass on: pass-through views on the Triton path)."""
+        if len(cands) == 1:
+            return cands[0], []
+        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
+            if carry:
+                return attn_res_mix(cands, w_norm, w_proj, eps, carry=carry)
+            return attn_res_mix(cands, w_norm, w_proj, eps), []
+        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
               ) -> tuple[Tensor, Tensor, Tensor]:
