@@ -59,7 +59,7 @@ class K3ForCausalLM(nn.Module):
             `encode_media` output [N, hidden]; they replace the `media_placeholder_token_id` positions
             of input_ids in row-major order (see `embed_with_media`).
         return_logits: False (with labels) returns logits=None and only the loss, which may then be
-            computed without materialising the logits (`Kernels.lm_loss`: env K3_CE=triton); training
+            computed without materialising the logits (`Kernels.lm_loss`: the default when training on CUDA, env K3_CE); training
             loops that read only `.loss` pass False.
         """
         if not return_logits and labels is None:

@@ -382,7 +382,7 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 
 # regions whose Triton kernels were timed faster than the torch regions in the training step (H200,
 # docs/benchmarks.md)
-TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE")
+TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE")
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
@@ -503,18 +503,24 @@ class Kernels:
 
     def lm_loss(self, h: Tensor, lm_head: torch.nn.Linear, labels: Tensor) -> Tensor:
         """Mean token cross-entropy of lm_head(h) against labels, for callers that need no logits: h [..., d],
-        labels [...] (-100 = ignore) -> 0-dim fp32. When env K3_CE picks it (see `_triton_choice`; opt-in
-        until timed) the chunked linear + cross-entropy of `k3.ops.cross_entropy`, which never holds
-        more than one chunk of logits and computes the gradients in its forward (an fp32 lm_head weight
-        under autocast is cast to the autocast dtype inside and gets an fp32 gradient); else the
-        lm_head module and `cross_entropy`, as `K3ForCausalLM.forward` with logits."""
+        labels [...] (-100 = ignore) -> 0-dim fp32. When env K3_CE picks it (see `_triton_choice`: the
+        default when training on CUDA) the chunked linear + cross-entropy of `k3.ops.cross_entropy`, which
+        never holds more than one chunk of logits and computes the gradients in its forward (an fp32
+        lm_head weight under autocast is cast to the autocast dtype inside and gets an fp32 gradient);
+        else the lm_head module and `cross_entropy`, as `K3ForCausalLM.forward` with logits. The fused
+        loss has no bias and needs a plain weight: by default a biased or sharded (FSDP DTensor) lm_head
+        takes the module path; an explicit K3_CE=triton raises instead."""
         if _triton_choice("K3_CE", h):
+            unfit = None
             if lm_head.bias is not None:
-                raise ValueError("K3_CE=triton: the fused loss has no lm_head bias")
-            if type(lm_head.weight.data) is not torch.Tensor:  # e.g. an FSDP-sharded DTensor
-                raise ValueError(f"K3_CE=triton needs a plain, unsharded lm_head weight, got "
-                                 f"{type(lm_head.weight.data).__name__}; use K3_CE=inductor")
-            return linear_cross_entropy(h.reshape(-1, h.shape[-1]), lm_head.weight, labels.reshape(-1))
+                unfit = "K3_CE=triton: the fused loss has no lm_head bias"
+            elif type(lm_head.weight.data) is not torch.Tensor:  # e.g. an FSDP-sharded DTensor
+                unfit = (f"K3_CE=triton needs a plain, unsharded lm_head weight, got "
+                         f"{type(lm_head.weight.data).__name__}; use K3_CE=inductor")
+            if unfit is None:
+                return linear_cross_entropy(h.reshape(-1, h.shape[-1]), lm_head.weight, labels.reshape(-1))
+            if os.environ.get("K3_CE") == "triton":
+                raise ValueError(unfit)
         return self.cross_entropy(lm_head(h), labels)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:

@@ -222,6 +222,20 @@ def test_lm_loss_refuses_what_the_fused_path_cannot_take(monkeypatch):
         EAGER.lm_loss(h, head, labels)
 
 
+def test_lm_loss_default_falls_back_for_what_the_fused_path_cannot_take(monkeypatch):
+    """K3_CE unset (the fused loss is the default on CUDA training): a biased or sharded lm_head takes the
+    module path (lm_head(h) then cross-entropy) instead of raising, so FSDP training keeps working."""
+    from k3.model import fused
+    from k3.model.fused import EAGER
+
+    monkeypatch.delenv("K3_CE", raising=False)
+    monkeypatch.setattr(fused, "_triton_choice", lambda var, x: var == "K3_CE")  # as on a CUDA tensor
+    h, labels = torch.randn(2, 3, 8, device=DEV), torch.randint(0, 16, (2, 3), device=DEV)
+    head = torch.nn.Linear(8, 16, bias=True).to(DEV)
+    want = torch.nn.functional.cross_entropy(head(h).float().reshape(-1, 16), labels.reshape(-1))
+    torch.testing.assert_close(EAGER.lm_loss(h, head, labels), want)
+
+
 @pytest.mark.gpu
 def test_k3_small_size_on_gpu(monkeypatch):
     """65,536 tokens x hidden 1,024 x vocab 32,768, bf16 h and W (fp32 master weight under autocast, as in
