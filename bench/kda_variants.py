@@ -44,6 +44,9 @@ VARIANTS = {
     "bwdsplit64w8": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_WARPS_BWDSPLIT": "8"},
     "bwdsplitcd": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_CUMDOT_BWDSPLIT": "1"},
     "bwdsplitr": {"K3_KDA_BWD_INTRA": "split", "K3_KDA_AP_PREC_BWD": "tf32r"},
+    "keysreg128": {"K3_KDA_MAXNREG_BWDSPLIT": "128"},  # 4 programs of 4 warps per SM
+    "keysreg168": {"K3_KDA_MAXNREG_BWDSPLIT": "168"},  # 3
+    "bk64reg168": {"K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
     # both new kernels together
     "v2split": {  # v2 forward + split backward (the defaults of the morning of 2026-12-01)
        "K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
@@ -136,6 +139,7 @@ def run_variant(name, env, ref, xs, xb, do_big, label):
                 line += f", fwd no-grad {bench(lambda: k3_call(xb)):.3f} ms"
         log(line)
         kernel_profile(lambda: k3_call(xb).backward(do_big), f"{name} fwd+bwd")
+        log(f"  registers of {name}: {kernel_registers()}")
     except Exception as ex:  # report and go on with the next variant
         log(f"[{name}] {type(ex).__name__}: {str(ex)[:300]}")
         if "illegal" in str(ex) or "CUDA error" in str(ex):
@@ -148,6 +152,24 @@ def run_variant(name, env, ref, xs, xb, do_big, label):
                 os.environ[k] = v
         for t in xb:
             t.grad = None
+
+
+def kernel_registers() -> str:
+    """Registers / spilled bytes per thread of each compiled split-backward kernel so far (Triton's
+    compiled-kernel cache; a variant that changes a kernel's specialisation adds an entry)."""
+    from k3.ops.kda import triton_bwd_split as m
+
+    out = []
+    for name in ("_kda_bwd_values", "_kda_bwd_keys", "_kda_bwd_finish"):
+        seen = []
+        for cache in getattr(getattr(m, name), "device_caches", {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for ck in getattr(kernels, "values", lambda: [])():
+                meta = getattr(ck, "metadata", None)
+                seen.append(f"{getattr(ck, 'n_regs', '?')}r/{getattr(ck, 'n_spills', '?')}s"
+                            f"/w{getattr(meta, 'num_warps', '?')}")
+        out.append(f"{name[9:]} " + (",".join(seen) or "-"))
+    return "; ".join(out)
 
 
 def decode_sweep(Bs=DECODE_B, H=96, D=128):

@@ -347,13 +347,17 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     # H96: 10.85 vs 11.29 ms) with bf16 errors unchanged to 3 digits; fp32 inputs keep the scan
     # (interpreter: dk 7e-6 vs 4e-7 relative with the dot)
     half = q.dtype != torch.float32
+    # K3_KDA_MAXNREG_BWDSPLIT caps the key kernel's registers (more programs per SM, maybe spills;
+    # a tuning experiment, GPU only)
+    nreg = os.environ.get("K3_KDA_MAXNREG_BWDSPLIT")
+    extra = {"maxnreg": int(nreg)} if nreg else {}
     cumdot = os.environ.get("K3_KDA_CUMDOT_BWDSPLIT", "1" if half else "0") == "1"
     _kda_bwd_keys[(NC * nk, H)](
         q, k, g, beta, A_log if gate else ROWS, dt_bias if gate else ROWS, Hs, DH, VN, DR, do, DPA,
         ROWS, WS, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, num_warps=warps, num_stages=1,
+        CUMDOT=cumdot, HAND=half, num_warps=warps, num_stages=1, **extra,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,
