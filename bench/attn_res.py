@@ -6,7 +6,9 @@ of [8192, 7168]).
 Prints ms, achieved GB/s (minimal bytes: forward reads n candidates and writes the mix; backward
 reads the output gradient and n candidates and writes n gradients) and the fraction of 4.3 TB/s, and
 the ratio to the Inductor region from the same run. Correctness first: Triton vs float64 on the
-first shape.
+first shape. A second table times the mix followed by the layer's RMSNorm (what the model runs):
+the norm inside the mix kernels (`attn_res_mix(norm_weight=...)`, env K3_ATTNRES_NORM=1) against the
+Triton mix then the compiled norm (the default) and the Inductor regions.
 
 Usage: python bench/attn_res.py [--tokens 65536] [--sweep]
        python bench/attn_res.py --tiny --device cpu     # smoke run under the Triton interpreter
@@ -74,6 +76,18 @@ def main(argv=None) -> int:
             sweep("K3_ATTNRES", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),
                                                        (4, 1024, 8), (2, 1024, 4), (16, 128, 4), (32, 128, 8)],
                   lambda: fn(cands, w_norm, w_proj).backward(go), leaves, fwd_bytes + bwd_bytes, bench)
+    header("Block-AttnRes mix + RMSNorm, bf16", "candidates x [M, D]", args.device)
+    for n, M, D in shapes[:-1] if not args.tiny else shapes:
+        cands, w_norm, w_proj = inputs(n, M, D, args.device)
+        ln = (torch.rand(D, device=args.device) + 0.5).requires_grad_()
+        go = torch.randn(M, D, device=args.device, dtype=torch.bfloat16)
+        norm = {"k3 triton, fused norm": lambda c, wn, wp: attn_res_mix(c, wn, wp, EPS, norm_weight=ln, norm_eps=EPS),
+                "k3 triton, then norm": lambda c, wn, wp: compiled.rms_norm(attn_res_mix(c, wn, wp, EPS), ln, EPS),
+                "inductor": lambda c, wn, wp: compiled.rms_norm(compiled.attn_res(c, wn, wp, EPS), ln, EPS)}
+        # minimal bytes: the fused forward also writes the mix (saved for the backward)
+        fwd_bytes, bwd_bytes = (n + 2) * M * D * 2, (2 * n + 2) * M * D * 2
+        leaves = [*cands, w_norm, w_proj, ln]
+        report(f"{n} x [{M}, {D}]", time_impls(norm, (cands, w_norm, w_proj), go, leaves, bench), fwd_bytes, bwd_bytes)
     return 0
 
 

@@ -34,7 +34,7 @@ def test_bench_mla_decode_cpu():
 
 
 @pytest.mark.parametrize("script,header", [("situ.py", "| routed experts [512, 1024] | k3 triton |"),
-                                           ("attn_res.py", "| 4 x [17, 300] | k3 triton |"),
+                                           ("attn_res.py", "| 4 x [17, 300] | k3 triton, fused norm |"),
                                            ("moe_combine.py", "| dispatch k3-small 64 x 8 x 512 | k3 triton |"),
                                            ("moe_route.py", "| k3-small 64 x 64 x 8 | both |"),
                                            ("cross_entropy.py", "| k3 fused, chunk 16 |")])

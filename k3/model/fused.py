@@ -385,6 +385,16 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE")
 
 
+def _flag_env(var: str, default: bool) -> bool:
+    """Env `var` as a switch: unset -> default, "1" / "0" -> on / off; anything else raises."""
+    value = os.environ.get(var)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 def _triton_choice(var: str, x: Tensor) -> bool:
     """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE) picks a region's training
     implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
@@ -464,29 +474,38 @@ class Kernels:
         """cast_out(rms_norm(x_f32, weight) * sigmoid(gate_f32)), all fp32 (KDA's o_norm + output gate)."""
         return _Norm.apply(x, weight, gate, float(eps), False, out_dtype, self)
 
-    def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float) -> Tensor:
+    def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float,
+                 norm: tuple[Tensor, float] | None = None) -> Tensor:
         """Block-AttnRes mix (see k3.model.common.attn_res_mix): the Triton kernels of `k3.ops.attn_res`
-        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`)."""
-        return self._attn_res(cands, w_norm, w_proj, eps, carry=0)[0]
+        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`). norm =
+        (weight, eps): the mix through that KimiRMSNorm (see `_attn_res`)."""
+        return self._attn_res(cands, w_norm, w_proj, eps, 0, norm)[0]
 
-    def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float
-                      ) -> tuple[Tensor, list[Tensor]]:
+    def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float,
+                      norm: tuple[Tensor, float] | None = None) -> tuple[Tensor, list[Tensor]]:
         """`attn_res` over bank + [prefix] -> (mix, the bank to pass on). On the Triton path the bank comes
         back as pass-through views (`attn_res_mix(carry=...)`): each bank entry then has one consumer
         per mix in a chain, and its gradients from all later mixes are summed inside the backward
         kernels, not by autograd's separate add passes. Elsewhere the bank is returned as given."""
-        return self._attn_res(bank + [prefix], w_norm, w_proj, eps, carry=len(bank))
+        return self._attn_res(bank + [prefix], w_norm, w_proj, eps, len(bank), norm)
 
-    def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int
-                  ) -> tuple[Tensor, list[Tensor]]:
-        """(mix of cands, cands[:carry] to pass on: pass-through views on the Triton path)."""
+    def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int,
+                  norm: tuple[Tensor, float] | None) -> tuple[Tensor, list[Tensor]]:
+        """(mix of cands [through the norm (weight, eps)], cands[:carry] to pass on: pass-through views on
+        the Triton path). On the Triton path with env K3_ATTNRES_NORM=1 the norm runs inside the mix's
+        kernels (`attn_res_mix(norm_weight=...)`), else as `rms_norm` after it."""
         if len(cands) == 1:
-            return cands[0], []
-        if len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            if carry:
-                return attn_res_mix(cands, w_norm, w_proj, eps, carry=carry)
-            return attn_res_mix(cands, w_norm, w_proj, eps), []
-        return _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
+            mix, carried = cands[0], []
+        elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
+            fuse = norm is not None and _flag_env("K3_ATTNRES_NORM", False)
+            nw, neps = norm if fuse else (None, 1e-5)
+            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=nw, norm_eps=neps)
+            mix, carried = out if carry else (out, [])
+            if fuse:
+                return mix, carried
+        else:
+            mix, carried = _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
+        return (mix if norm is None else self.rms_norm(mix, *norm)), carried
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
               ) -> tuple[Tensor, Tensor, Tensor]:

@@ -66,18 +66,22 @@ class DecoderLayer(nn.Module):
         bank: completed block sums [B, T, d] each; prefix: running sum of the current block.
         Returns the updated (bank, prefix).
         """
-        h, bank = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj)
-        a = self.self_attn(self.input_layernorm(h), layout, cache)
+        h, bank = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj,
+                            self.input_layernorm)
+        a = self.self_attn(h, layout, cache)
         if self.layer_idx % self.block_size == 0:  # block boundary: bank the prefix, restart it at 0
             bank, prefix = bank + [prefix], a
         else:
             prefix = prefix + a
-        m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj)
-        return bank, prefix + self.ffn(self.post_attention_layernorm(m))
+        m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        return bank, prefix + self.ffn(m)
 
-    def _mix(self, bank, prefix, norm: ResVector, proj: ResVector) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(mix of bank + [prefix], the bank to use from here on: pass-through views on the Triton path)."""
-        return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps)
+    def _mix(self, bank, prefix, norm: ResVector, proj: ResVector, ln: RMSNorm | None = None
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(mix of bank + [prefix] [through the RMSNorm ln], the bank to use from here on: pass-through
+        views on the Triton path, whose kernels may also apply ln: `Kernels.attn_res_bank`)."""
+        return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps,
+                                          None if ln is None else (ln.weight, ln.eps))
 
 
 class K3Model(nn.Module):
@@ -127,13 +131,17 @@ class K3Model(nn.Module):
                 bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
             else:
                 bank, prefix = layer(bank, prefix, layout, cache)
-        out = self.kernels.attn_res(bank + [prefix], self.output_attn_res_norm.weight,
-                                    self.output_attn_res_proj.weight, self.config.rms_norm_eps)
-        if len(self.layers) in want:
-            hidden[len(self.layers)] = out
+        out_mix = lambda norm: self.kernels.attn_res(  # noqa: E731
+            bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+            self.config.rms_norm_eps, norm)
+        if len(self.layers) in want:  # the caller wants the pre-norm mix too
+            hidden[len(self.layers)] = out = out_mix(None)
+            out = self.norm(out)
+        else:
+            out = out_mix((self.norm.weight, self.norm.eps))
         if cache is not None:
             cache.advance(layout.new_lens)
-        return self.norm(out), hidden
+        return out, hidden
 
     def _embeddings_dtype(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
