@@ -163,7 +163,7 @@ def main() -> None:
 
     def fwd_bwd() -> None:
         with amp:
-            loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu).loss
+            loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu, return_logits=False).loss  # as the trainer
         loss.backward()
 
     if "train" in phases:

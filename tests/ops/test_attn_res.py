@@ -119,12 +119,15 @@ def test_fused_output_norm(monkeypatch, dtype, shape, bd):
                 .requires_grad_() for t in leaves]
         ref = _mix_then_norm(refs[:3], refs[3], refs[4], refs[5])
         ref.backward(go.to(ref.dtype))
-        ftol, gtol = TOL[dtype] if wide == torch.float64 or dtype == torch.float32 else (2 ** -8, 2 ** -7)
-        assert (out.double() - ref.double()).abs().max() <= ftol * ref.double().abs().max(), wide
+        # the output is rounded three times (mix, normalised value, weighted value): up to three half-ulps
+        # of bf16 (2^-8 relative each) from float64; the unfused path may round the mix one ulp apart
+        ftol, gtol = (3 * 2 ** -8, TOL[dtype][1]) if dtype == torch.bfloat16 else TOL[dtype]
+        err = (out.double() - ref.double()).abs().max() / ref.double().abs().max()
+        assert err <= ftol, (wide, err.item())
         for leaf, r in zip(leaves, refs):
             assert leaf.grad.dtype == leaf.dtype
-            err = (leaf.grad.double() - r.grad.double()).abs().max()
-            assert err <= gtol * r.grad.double().abs().max(), (wide, leaf.shape, err.item())
+            err = (leaf.grad.double() - r.grad.double()).abs().max() / r.grad.double().abs().max()
+            assert err <= gtol, (wide, leaf.shape, err.item())
 
 
 def test_fused_output_norm_bad_weight():
