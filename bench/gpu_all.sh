@@ -18,9 +18,9 @@ for s in $sections; do
   start=$(date +%s)
   case $s in
     tests)
-      python -m pytest -q -m gpu tests/ops tests/model tests/serve/test_model_runner.py \
+      python -m pytest -q --durations=12 -m gpu tests/ops tests/model tests/serve/test_model_runner.py \
         tests/serve/test_compiled_decode.py 2>&1 | tail -60 > "$OUT/tests.txt"
-      grep -E "passed|failed|^FAILED|^E " "$OUT/tests.txt" | head -20 ;;
+      grep -E "passed|failed|^FAILED|^E |^[0-9.]+s (call|setup)" "$OUT/tests.txt" | head -30 ;;
     train)
       { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
           --embed-dtype bf16,fp32 --situ triton,inductor --attnres triton,inductor --combine triton,inductor

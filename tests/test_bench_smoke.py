@@ -56,3 +56,14 @@ def test_profile_step_by_node_cpu():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "(by autograd node: host self time)" in r.stdout
     assert "| torch::autograd::AccumulateGrad | aten::add_ |" in r.stdout and "| forward | aten::mm |" in r.stdout
+
+
+def test_kernel_resources_offline():
+    """bench/kernel_resources.py compiles the KDA key kernel for sm_90 without a GPU and reads its
+    registers / spills from the cubin (with whatever Triton is installed)."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--configs", "32:4"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| 32 | 4 | - |"))
+    regs = int(row.split("|")[4])
+    assert 32 <= regs <= 255
