@@ -15,6 +15,8 @@ from k3.model.common import KEEP_FP32
 from k3.model.kda import KDAttention
 from k3.model.model import K3Model, ResVector
 from k3.model.vision import MoonViTEncoder, VisionConfig
+from k3.ops.cross_entropy.logprobs import linear_token_logprobs
+from k3.ops.cross_entropy.reference import IGNORE_INDEX
 
 _NO_VISION = ("media: this model has no vision encoder (config.vision_config is None); "
               "use a vision-language preset such as k3-tiny-vl")
@@ -131,11 +133,25 @@ class K3ForCausalLM(nn.Module):
                        temperature: float = 1.0, media: list[torch.Tensor] | None = None,
                        media_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """log p(x_t | x_<t) for t >= 1 of each row: [B, T] fp32 with position 0 (and each packed
-        document's first token) set to 0. For RL and distillation."""
-        logits = self(input_ids, cu_seqlens=cu_seqlens, media=media,
-                      media_embeds=media_embeds).logits.float() / temperature
-        lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        document's first token) set to 0. For RL and distillation: differentiable, and the [B, T, vocab]
+        logits are never materialised (`k3.ops.cross_entropy.logprobs.linear_token_logprobs`: chunks of
+        about 1 GiB of fp32 logits, recomputed in the backward). An lm_head weight held as a tensor
+        subclass (FSDP-sharded) takes the full-logits path through `forward` instead."""
+        if type(self.lm_head.weight.data) is not torch.Tensor:
+            logits = self(input_ids, cu_seqlens=cu_seqlens, media=media,
+                          media_embeds=media_embeds).logits.float() / temperature
+            lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+            lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        else:
+            embeds = None
+            if media is not None or media_embeds is not None or self._has_pads(input_ids):
+                embeds = self.embed_with_media(input_ids, media=media, media_embeds=media_embeds)
+            h, _ = self.model(None if embeds is not None else input_ids, inputs_embeds=embeds, cu_seqlens=cu_seqlens)
+            targets = torch.full_like(input_ids, IGNORE_INDEX)
+            targets[:, :-1] = input_ids[:, 1:]  # row t predicts token t + 1; the last position has no target
+            lp_next = linear_token_logprobs(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),
+                                            temperature=temperature).view(input_ids.shape)
+            lp = torch.cat([lp_next.new_zeros(input_ids.shape[0], 1), lp_next[:, :-1]], dim=1)
         if cu_seqlens is not None:
             lp[0, cu_seqlens[:-1].long().clamp(max=input_ids.shape[1] - 1)] = 0.0
         return lp

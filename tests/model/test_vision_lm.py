@@ -308,3 +308,16 @@ def test_info_shows_vision_params():
     assert describe(k3_tiny())["vision"] is None
     full = describe(kimi_k3())["vision"]
     assert (full["tower_params"], full["projector_params"]) == (401_214_464, 46_144_512)
+
+
+def test_token_logprobs_with_media(model):
+    """token_logprobs splices the media like forward: equal to log_softmax of forward's logits."""
+    gen = torch.Generator().manual_seed(5)
+    media, ids = _media(gen)
+    row = ids[0][None]
+    with torch.no_grad():
+        lp = model.token_logprobs(row, media=media[0])
+        logits = model(row, media=media[0]).logits.float()
+    want = torch.log_softmax(logits[:, :-1], -1).gather(-1, row[:, 1:, None])[..., 0]
+    torch.testing.assert_close(lp[:, 1:], want, rtol=1e-5, atol=1e-5)
+    assert (lp[:, 0] == 0).all()
