@@ -1,53 +1,163 @@
-"""Registers, spills and shared memory of a k3 Triton kernel compiled for the H200 (sm_90), without a GPU.
+"""Registers, spills and shared memory of k3's Triton kernels compiled for the H200 (sm_90), without a GPU.
 
-Compiles the kernel ahead of time with Triton's own toolchain (`triton.compile` for target cuda:90,
-pointer arguments specialised as 16-byte aligned, as the JIT does at launch) and reads the cubin's
-resource usage with the cuobjdump shipped in Triton's wheel. Per configuration it prints registers
-per thread, spilled bytes per thread (the cubin's stack frame: the device's `n_spills` is this / 4),
-shared memory, and how many programs fit on one SM by registers (64K per SM) and by shared memory
-(227 KB). The numbers depend on the Triton version: use the device's (Triton 3.6 on the H200 of the
-device tool), e.g. installed aside with `pip install --no-deps --target /tmp/t36 triton==3.6.0` and
-given as --triton-path. Checked against the device on 2026-12-01: the KDA key kernel at BK 32 / 64
-and register caps 168 / 128 gave the same registers and spills here as on the H200.
+Two steps. First a child process runs small calls of the chosen ops under the Triton interpreter
+(TRITON_INTERPRET=1, CPU tensors with k3-small's feature sizes, few rows) and records every kernel
+launch: argument types, integer specialisations (== 1, divisible by 16), constexpr values, warps,
+stages, register cap. Then each distinct launch is compiled ahead of time for cuda:90 with Triton's
+own toolchain (pointer arguments 16-byte aligned, as the JIT specialises them at launch) and the
+cubin's resource usage is read with the cuobjdump shipped in Triton's wheel. Per kernel it prints
+registers per thread, spilled bytes per thread (the cubin's stack frame; the device's `n_spills` is
+this / 4), shared memory, and how many programs fit on one SM (registers: 64K; shared memory: 227 KB; at most
+64 warps and 32 programs).
 
-Usage: python bench/kernel_resources.py [--triton-path /tmp/t36] [--configs 32:4,64:4,32:4:168]
-       (KDA split-backward key kernel `_kda_bwd_keys` at k3-small's H 8, K = V = 128; BK:warps[:maxnreg])
+Tiles that launchers pick from row or program counts (e.g. the KDA state scans' value block) follow
+the small calls' counts, not k3-small's 64K-token micro-batch. The numbers depend on the Triton
+version: use the device's (Triton 3.6 on the H200 of the device tool), installed aside with
+`pip install --no-deps --target /tmp/t36 triton==3.6.0` and given as --triton-path (the recording
+run keeps the installed Triton's interpreter, the one CI tests with). Checked against the device on 2026-12-01: the KDA key kernel at BK 32 / 64
+and register caps 168 / 128 gave the same registers and spills as the H200 reported.
+
+Usage: python bench/kernel_resources.py [--ops kda,shortconv,situ,attnres,moe,ce] [--triton-path /tmp/t36]
+       [--env K3_KDA_BK_BWDSPLIT=64,K3_KDA_MAXNREG_BWDSPLIT=168]    # env switches for the recorded run
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
+import json
 import os
 import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-REGS_PER_SM, SMEM_PER_SM = 65536, 227 * 1024
-
-# argument types of the KDA key kernel for bf16 inputs (k3/ops/kda/triton_bwd_split.py)
-KEYS_PTRS = {**{n: "*bf16" for n in ("q", "k", "g", "beta", "Hs", "DH", "VN", "DR", "do", "dq", "dk", "dg")},
-             **{n: "*fp32" for n in ("A_log", "dt_bias", "DPA", "ROWS", "WS", "PART", "dA_part", "ddt_part")},
-             "cu_seqlens": "*i32", "chunk_info": "*i32", "scale": "fp32", "lower_bound": "fp32"}
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+REGS_PER_SM, SMEM_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 227 * 1024, 64, 32  # sm_90
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
-def compile_kda_keys(bk: int, warps: int, maxnreg: int | None, *, hand: bool = True, cumdot: bool = True):
-    """triton's CompiledKernel of `_kda_bwd_keys` for sm_90 (k3-small's specialisation: pre-gated g,
-    qk L2 norm and beta in the kernel as the model calls it)."""
+# ---- step 1 (child process, interpreter): small calls of each op, launches recorded --------------
+def _drivers():
+    """op name -> a function making a small forward + backward of it (CPU, bf16, k3-small's widths)."""
+    import torch
+    import torch.nn.functional as F
+
+    bf = torch.bfloat16
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape) * scale).to(bf).requires_grad_()
+
+    def kda():
+        from k3.ops.kda.chunk import chunk_kda
+
+        T, H, D = 128, 8, 128
+        q, k, v, f = leaf(1, T, H, D), leaf(1, T, H, D), leaf(1, T, H, D), leaf(1, T, H, D)
+        beta = torch.randn(1, T, H, requires_grad=True)
+        A_log, dt_bias = torch.zeros(H, requires_grad=True), torch.zeros(H * D, requires_grad=True)
+        cu = torch.tensor([0, 50, T], dtype=torch.int32)
+        o = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, cu_seqlens=cu,
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)[0]
+        o.float().sum().backward()
+
+    def shortconv():
+        from k3.ops.short_conv import short_conv_silu
+
+        x, w = leaf(1, 128, 3 * 1024), torch.randn(3 * 1024, 1, 4, requires_grad=True)
+        sum(t.float().sum() for t in short_conv_silu(x, w, streams=3)).backward()
+
+    def situ():
+        from k3.ops.situ import situ_glu
+
+        situ_glu(leaf(128, 2 * 512), 3.0, 6.0).float().sum().backward()
+
+    def attnres():
+        from k3.ops.attn_res import attn_res_mix
+
+        cands, wn, wp = [leaf(128, 1024) for _ in range(4)], torch.ones(1024), torch.zeros(1, 1024)
+        attn_res_mix(cands, wn, wp, 1e-5).float().sum().backward()
+        attn_res_mix(cands, wn, wp, 1e-5, norm_weight=torch.ones(1024, requires_grad=True)).float().sum().backward()
+
+    def moe():
+        from k3.ops.moe_combine import moe_combine, moe_dispatch
+        from k3.ops.moe_route import sort_slots_triton, topk_route
+
+        N, E, k, d = 128, 64, 8, 1024
+        idx = topk_route(torch.randn(N, E), k)
+        _, inv, _ = sort_slots_triton(idx, E)
+        y = moe_dispatch(leaf(N, d), inv, k)
+        moe_combine(y, F.softmax(torch.randn(N, k), -1).requires_grad_(), inv).float().sum().backward()
+
+    def ce():
+        from k3.ops.cross_entropy import linear_cross_entropy
+
+        linear_cross_entropy(leaf(128, 1024), leaf(32768, 1024, scale=0.02), torch.randint(0, 32768, (128,))).backward()
+
+    return {"kda": kda, "shortconv": shortconv, "situ": situ, "attnres": attnres, "moe": moe, "ce": ce}
+
+
+def _describe(fn, args: tuple, kwargs: dict) -> dict:
+    """One launch: [(parameter, kind, value)] with kind "constexpr", a pointer type ("*bf16", with
+    value = 16-byte aligned) or a scalar type ("i32", "i64", "fp32", "i1"; value = the int itself for
+    the JIT's specialisations), and the launch options."""
+    import torch
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+             torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args)) | kwargs
+    out = []
+    for name, p in params.items():
+        v = bound.get(name, p.default)
+        if "constexpr" in str(p.annotation) or v is None:
+            out.append((name, "constexpr", v))
+        elif isinstance(v, torch.Tensor):
+            out.append((name, "*" + names[v.dtype], v.data_ptr() % 16 == 0))
+        elif isinstance(v, bool):
+            out.append((name, "i1", int(v)))
+        elif isinstance(v, int):
+            out.append((name, "i32" if -2 ** 31 <= v < 2 ** 31 else "i64", v))
+        else:
+            out.append((name, "fp32", float(v)))
+    return {"module": fn.__module__, "name": fn.__name__, "params": out, "options": options}
+
+
+def record(ops: list[str]) -> list[dict]:
+    """Launches of the ops' small calls (run under the interpreter in this process)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches, run = [], InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202
+        launches.append(_describe(self.fn, args, dict(kwargs)))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    drivers = _drivers()
+    for op in ops:
+        drivers[op]()
+    return launches
+
+
+# ---- step 2 (this process): ahead-of-time compile for sm_90, resources from the cubin -------------
+def compile_launch(launch: dict):
+    """triton's CompiledKernel for one recorded launch, specialised as the JIT would at that launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from k3.ops.kda.triton_bwd_split import _kda_bwd_keys as fn
-
-    const = dict(H=8, K=128, V=128, BK=bk, BV=64, GATE=False, L2=True, BSIG=False, AP_PREC="tf32x3",
-                 S_PREC="half", CUMDOT=cumdot, HAND=hand)
-    names = fn.arg_names
-    sig = {n: KEYS_PTRS.get(n, "constexpr") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    opts = {"num_warps": warps, "num_stages": 1} | ({"maxnreg": maxnreg} if maxnreg else {})
+    fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+    sig, constexprs, attrs = {}, {}, {}
+    for i, (name, kind, value) in enumerate(launch["params"]):
+        if kind == "constexpr" or (kind in ("i32", "i64") and value == 1):  # the JIT specialises 1
+            sig[name], constexprs[(i,)] = "constexpr", value
+            continue
+        sig[name] = kind
+        if (kind.startswith("*") and value) or (kind in ("i32", "i64") and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": 4, "num_stages": 3} | {k: v for k, v in launch["options"].items() if v is not None}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -65,27 +175,64 @@ def resources(kernel) -> dict[str, int]:  # noqa: ANN001 - a triton CompiledKern
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "smem": int(kernel.metadata.shared)}
 
 
+def _key_constexprs(launch: dict) -> str:
+    """The launch's compile-time tile parameters (upper-case constexprs) for the table."""
+    out = []
+    for n, kind, v in launch["params"]:
+        if kind != "constexpr" or not n.isupper() or n in ("H", "K", "V", "D"):
+            continue
+        if isinstance(v, bool):
+            out += [n] if v else []  # switches that are on
+        elif isinstance(v, (int, str)):
+            out.append(f"{n}={v}")
+    return " ".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--triton-path", default="", help="a folder holding the device's Triton (put first on sys.path)")
-    ap.add_argument("--configs", default="32:4,64:4,16:4,32:4:168,16:4:168,32:4:128",
-                    help="comma-separated BK:warps[:maxnreg] of the KDA key kernel")
+    ap.add_argument("--ops", default="kda", help="comma-separated: kda, shortconv, situ, attnres, moe, ce")
+    ap.add_argument("--triton-path", default="", help="a folder holding the device's Triton (first on sys.path)")
+    ap.add_argument("--env", default="", help="comma-separated NAME=VALUE switches for the recorded run")
+    ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = ap.parse_args(argv)
-    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU even where tests run the interpreter
-    if args.triton_path:
+    sys.path.insert(0, ROOT)
+    if args.triton_path and not args.record:
         sys.path.insert(0, args.triton_path)
+    ops = args.ops.split(",")
+    if args.record:
+        json.dump(record(ops), sys.stdout)
+        return 0
+    unknown = [op for op in ops if op not in ("kda", "shortconv", "situ", "attnres", "moe", "ce")]
+    if unknown:
+        raise SystemExit(f"unknown ops {unknown}")
+    # the recording run uses the installed Triton's interpreter (what CI tests with); the launches it
+    # records are k3's own choices, so only the compile below needs the device's Triton
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    env.update(kv.split("=", 1) for kv in filter(None, args.env.split(",")))
+    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--record", "--ops", args.ops],
+                           capture_output=True, text=True, env=env)
+    if child.returncode:
+        raise SystemExit(f"recording run failed:\n{child.stderr[-3000:]}")
+    os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU here
     import triton
 
-    print(f"# `_kda_bwd_keys` resources on sm_90, Triton {triton.__version__} (no GPU needed)")
-    print("| BK | warps | maxnreg | registers | spilled B / thread | shared KB | programs / SM (regs, smem) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for cfg in args.configs.split(","):
-        bk, warps, *cap = (int(x) for x in cfg.split(":"))
-        r = resources(compile_kda_keys(bk, warps, cap[0] if cap else None))
-        by_regs = REGS_PER_SM // (r["regs"] * 32 * warps)
-        by_smem = SMEM_PER_SM // max(r["smem"], 1)
-        print(f"| {bk} | {warps} | {cap[0] if cap else '-'} | {r['regs']} | {r['stack']} | {r['smem'] / 1024:.0f} | "
-              f"{min(by_regs, by_smem)} ({by_regs}, {by_smem}) |", flush=True)
+    print(f"# Triton kernels on sm_90 (Triton {triton.__version__}, no GPU), ops {args.ops}"
+          + (f", env {args.env}" if args.env else ""))
+    print("| kernel | tiles | warps | stages | maxnreg | registers | spilled B / thread | shared KB | programs / SM |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    seen = set()
+    for launch in json.loads(child.stdout):
+        key = json.dumps(launch, sort_keys=True, default=str)
+        if key in seen:
+            continue
+        seen.add(key)
+        r = resources(compile_launch(launch))
+        o = launch["options"]
+        warps = o.get("num_warps") or 4
+        fits = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps), SMEM_PER_SM // max(r["smem"], 1),
+                   MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
+        print(f"| {launch['name']} | {_key_constexprs(launch)} | {warps} | {o.get('num_stages') or 3} | "
+              f"{o.get('maxnreg') or '-'} | {r['regs']} | {r['stack']} | {r['smem'] / 1024:.0f} | {fits} |", flush=True)
     return 0
 
 
