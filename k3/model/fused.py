@@ -475,14 +475,14 @@ class Kernels:
         return _Norm.apply(x, weight, gate, float(eps), False, out_dtype, self)
 
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float,
-                 norm: tuple[Tensor, float] | None = None) -> Tensor:
+                 norm: torch.nn.Module | None = None) -> Tensor:
         """Block-AttnRes mix (see k3.model.common.attn_res_mix): the Triton kernels of `k3.ops.attn_res`
-        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`). norm =
-        (weight, eps): the mix through that KimiRMSNorm (see `_attn_res`)."""
+        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`). norm: an
+        RMSNorm module applied to the mix (see `_attn_res`)."""
         return self._attn_res(cands, w_norm, w_proj, eps, 0, norm)[0]
 
     def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float,
-                      norm: tuple[Tensor, float] | None = None) -> tuple[Tensor, list[Tensor]]:
+                      norm: torch.nn.Module | None = None) -> tuple[Tensor, list[Tensor]]:
         """`attn_res` over bank + [prefix] -> (mix, the bank to pass on). On the Triton path the bank comes
         back as pass-through views (`attn_res_mix(carry=...)`): each bank entry then has one consumer
         per mix in a chain, and its gradients from all later mixes are summed inside the backward
@@ -490,22 +490,23 @@ class Kernels:
         return self._attn_res(bank + [prefix], w_norm, w_proj, eps, len(bank), norm)
 
     def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int,
-                  norm: tuple[Tensor, float] | None) -> tuple[Tensor, list[Tensor]]:
-        """(mix of cands [through the norm (weight, eps)], cands[:carry] to pass on: pass-through views on
-        the Triton path). On the Triton path with env K3_ATTNRES_NORM=1 the norm runs inside the mix's
-        kernels (`attn_res_mix(norm_weight=...)`), else as `rms_norm` after it."""
+                  norm: torch.nn.Module | None) -> tuple[Tensor, list[Tensor]]:
+        """(mix of cands [through norm], cands[:carry] to pass on: pass-through views on the Triton path).
+        norm: a KimiRMSNorm module (`.weight`, `.eps`), called on the mix, so its hooks see it; on the
+        Triton path with env K3_ATTNRES_NORM=1 its maths runs inside the mix's kernels instead
+        (`attn_res_mix(norm_weight=...)`; the module itself is not called then)."""
         if len(cands) == 1:
             mix, carried = cands[0], []
         elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            fuse = norm is not None and _flag_env("K3_ATTNRES_NORM", False)
-            nw, neps = norm if fuse else (None, 1e-5)
-            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=nw, norm_eps=neps)
+            if norm is not None and _flag_env("K3_ATTNRES_NORM", False):
+                out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight,
+                                   norm_eps=norm.eps)
+                return out if carry else (out, [])
+            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry)
             mix, carried = out if carry else (out, [])
-            if fuse:
-                return mix, carried
         else:
             mix, carried = _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
-        return (mix if norm is None else self.rms_norm(mix, *norm)), carried
+        return (mix if norm is None else norm(mix)), carried
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
               ) -> tuple[Tensor, Tensor, Tensor]:

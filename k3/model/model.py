@@ -80,8 +80,7 @@ class DecoderLayer(nn.Module):
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(mix of bank + [prefix] [through the RMSNorm ln], the bank to use from here on: pass-through
         views on the Triton path, whose kernels may also apply ln: `Kernels.attn_res_bank`)."""
-        return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps,
-                                          None if ln is None else (ln.weight, ln.eps))
+        return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps, ln)
 
 
 class K3Model(nn.Module):
@@ -131,14 +130,12 @@ class K3Model(nn.Module):
                 bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
             else:
                 bank, prefix = layer(bank, prefix, layout, cache)
-        out_mix = lambda norm: self.kernels.attn_res(  # noqa: E731
-            bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-            self.config.rms_norm_eps, norm)
-        if len(self.layers) in want:  # the caller wants the pre-norm mix too
-            hidden[len(self.layers)] = out = out_mix(None)
+        norm = None if len(self.layers) in want else self.norm  # else the caller wants the pre-norm mix too
+        out = self.kernels.attn_res(bank + [prefix], self.output_attn_res_norm.weight,
+                                    self.output_attn_res_proj.weight, self.config.rms_norm_eps, norm)
+        if norm is None:
+            hidden[len(self.layers)] = out
             out = self.norm(out)
-        else:
-            out = out_mix((self.norm.weight, self.norm.eps))
         if cache is not None:
             cache.advance(layout.new_lens)
         return out, hidden

@@ -204,3 +204,21 @@ def test_input_validation(model):
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_norm_modules_are_called(model):
+    """The layers' RMSNorm modules run as modules (forward hooks see their inputs and outputs), also now
+    that the AttnRes mix hands its output to them (the fused kernels apply them only with
+    K3_ATTNRES_NORM=1 on the Triton path)."""
+    seen = []
+    layer = model.model.layers[1]
+    hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.append(name))
+             for name, m in (("input", layer.input_layernorm), ("post", layer.post_attention_layernorm),
+                             ("final", model.model.norm))]
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 4096, (1, 6)))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == ["input", "post", "final"]
