@@ -47,6 +47,9 @@ VARIANTS = {
     "keysreg128": {"K3_KDA_MAXNREG_BWDSPLIT": "128"},  # 4 programs of 4 warps per SM
     "keysreg168": {"K3_KDA_MAXNREG_BWDSPLIT": "168"},  # 3
     "bk64reg168": {"K3_KDA_BK_BWDSPLIT": "64", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
+    # offline (bench/kernel_resources.py, Triton 3.6): BK 16 spills 168 B at cap 168 (BK 32: 336 B), 392 B at 128
+    "bk16reg168": {"K3_KDA_BK_BWDSPLIT": "16", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
+    "bk16reg128": {"K3_KDA_BK_BWDSPLIT": "16", "K3_KDA_MAXNREG_BWDSPLIT": "128"},
     # both new kernels together
     "v2split": {  # v2 forward + split backward (the defaults of the morning of 2026-12-01)
        "K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
