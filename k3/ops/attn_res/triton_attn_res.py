@@ -230,7 +230,8 @@ class AttnResMix(torch.autograd.Function):
         w2 = norm_w.contiguous() if norm else w
         _launch(_attn_res_fwd, M, D, N, *_slots(flat), w, out, prs[0], prs[1], prs[2], mix, w2, rn, M, D, eps,
                 norm_eps, NORM=norm)
-        ctx.save_for_backward(w_norm, w_proj, w, prs, mix, w2, rn, *flat)
+        # without the norm the output is not saved (rn stands in; the kernels read it only with the norm)
+        ctx.save_for_backward(w_norm, w_proj, w, prs, mix if norm else rn, w2, rn, *flat)
         ctx.norm = norm
         ctx.shapes = [c.shape for c in cands]
         ctx.set_materialize_grads(False)  # an unused pass-through (or output) gradient stays None
