@@ -412,3 +412,16 @@ def test_triton_regions_are_the_cuda_training_default(monkeypatch):
         assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert _triton_choice(var, cpu)
+
+
+def test_switch_env_values(monkeypatch):
+    """On / off switches (K3_ATTNRES_NORM) take "0" or "1"; anything else is a clear error."""
+    from k3.model.fused import _flag_env
+
+    monkeypatch.delenv("K3_ATTNRES_NORM", raising=False)
+    assert _flag_env("K3_ATTNRES_NORM", False) is False
+    monkeypatch.setenv("K3_ATTNRES_NORM", "1")
+    assert _flag_env("K3_ATTNRES_NORM", False) is True
+    monkeypatch.setenv("K3_ATTNRES_NORM", "yes")
+    with pytest.raises(ValueError, match="K3_ATTNRES_NORM must be '0' or '1'"):
+        _flag_env("K3_ATTNRES_NORM", False)
