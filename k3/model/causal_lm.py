@@ -61,15 +61,12 @@ class K3ForCausalLM(nn.Module):
             `encode_media` output [N, hidden]; they replace the `media_placeholder_token_id` positions
             of input_ids in row-major order (see `embed_with_media`).
         return_logits: False (with labels) returns logits=None and only the loss, which may then be
-            computed without materialising the logits (`Kernels.lm_loss`: the default when training on CUDA, env K3_CE); training
-            loops that read only `.loss` pass False.
+            computed without materialising the logits (`Kernels.lm_loss`: the default when training on
+            CUDA, env K3_CE); training loops that read only `.loss` pass False.
         """
         if not return_logits and labels is None:
             raise ValueError("return_logits=False needs labels: the loss is all the output would hold")
-        if media is not None or media_embeds is not None or self._has_pads(input_ids):
-            inputs_embeds = self.embed_with_media(input_ids, media=media, media_embeds=media_embeds,
-                                                  inputs_embeds=inputs_embeds)
-            input_ids = None
+        input_ids, inputs_embeds = self._splice_media(input_ids, media, media_embeds, inputs_embeds)
         h, hidden = self.model(input_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens, cache=cache,
                                hidden_state_layers=hidden_state_layers)
         if logits_to_keep:
@@ -86,6 +83,16 @@ class K3ForCausalLM(nn.Module):
         return CausalLMOutput(logits=logits, loss=loss, hidden_states=hidden)
 
     # ---- media -------------------------------------------------------------------------------------
+    def _splice_media(self, input_ids: torch.Tensor | None, media: list[torch.Tensor] | None,
+                      media_embeds: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(input_ids, inputs_embeds) for `K3Model`: with media (or media pads in input_ids) the
+        embeddings with the media spliced in (`embed_with_media`) and no ids; else as given."""
+        if media is None and media_embeds is None and not self._has_pads(input_ids):
+            return input_ids, inputs_embeds
+        return None, self.embed_with_media(input_ids, media=media, media_embeds=media_embeds,
+                                           inputs_embeds=inputs_embeds)
+
     def _has_pads(self, input_ids: torch.Tensor | None) -> bool:
         """A vision model must never embed `<|media_pad|>` as a plain token (a forgotten image)."""
         return (self.vision is not None and input_ids is not None
@@ -143,10 +150,8 @@ class K3ForCausalLM(nn.Module):
             lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
             lp[:, 1:] = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         else:
-            embeds = None
-            if media is not None or media_embeds is not None or self._has_pads(input_ids):
-                embeds = self.embed_with_media(input_ids, media=media, media_embeds=media_embeds)
-            h, _ = self.model(None if embeds is not None else input_ids, inputs_embeds=embeds, cu_seqlens=cu_seqlens)
+            ids, embeds = self._splice_media(input_ids, media, media_embeds, None)
+            h, _ = self.model(ids, inputs_embeds=embeds, cu_seqlens=cu_seqlens)
             targets = torch.full_like(input_ids, IGNORE_INDEX)
             targets[:, :-1] = input_ids[:, 1:]  # row t predicts token t + 1; the last position has no target
             lp_next = linear_token_logprobs(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1),

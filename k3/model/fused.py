@@ -498,12 +498,12 @@ class Kernels:
         if len(cands) == 1:
             mix, carried = cands[0], []
         elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            if norm is not None and _flag_env("K3_ATTNRES_NORM", False):
-                out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight,
-                                   norm_eps=norm.eps)
-                return out if carry else (out, [])
-            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry)
+            fused = norm is not None and _flag_env("K3_ATTNRES_NORM", False)
+            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight if fused else None,
+                               norm_eps=norm.eps if fused else 1e-5)
             mix, carried = out if carry else (out, [])
+            if fused:
+                norm = None  # already applied inside the kernels
         else:
             mix, carried = _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
         return (mix if norm is None else norm(mix)), carried

@@ -58,7 +58,8 @@ class LinearTokenLogprobs(torch.autograd.Function):
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(h.device.type, enabled=False):
             hc, wc = h.to(dtype).contiguous(), weight.to(dtype).contiguous()
-            g = torch.where(labels != IGNORE_INDEX, g.float(), 0.0)
+            # d lp / d z = onehot - softmax, times g, divided by the temperature (z = logits / T)
+            gt = torch.where(labels != IGNORE_INDEX, g.float(), 0.0) / temperature
             target = labels.long().clamp(min=0)
             dh = torch.empty_like(hc) if need_dh else None
             dw = None
@@ -66,9 +67,8 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 rows = slice(lo, lo + chunk_rows)
                 z = _logits(hc[rows], wc, temperature)
                 n = z.shape[0]
-                # d lp / d z = onehot - softmax, times g, divided by the temperature (z = logits / T)
-                dz = z.sub_(lse[rows, None]).exp_().mul_(-(g[rows] / temperature)[:, None])
-                dz.scatter_add_(1, target[rows, None], (g[rows] / temperature)[:, None])
+                dz = z.sub_(lse[rows, None]).exp_().mul_(-gt[rows, None])
+                dz.scatter_add_(1, target[rows, None], gt[rows, None])
                 dl = dz.to(dtype)
                 if need_dh:
                     torch.mm(dl, wc, out=dh[lo:lo + n])
