@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -83,10 +83,24 @@ for s in $sections; do
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
           --ce inductor,triton; } 2>&1 | quiet > "$OUT/ce.txt"
       grep -E "^\||check" "$OUT/ce.txt" ;;
+    ncu)  # Nsight Compute on k3-small's KDA layer (bench/ncu_target.py): one launch of $NCU_KERNEL (default the
+      # backward key kernel) with every section, printed as details + per-SASS-line stall samples (CSV), then
+      # a speed-of-light / occupancy summary of every KDA kernel of one forward + backward
+      N=${NCU_KERNEL:-_kda_bwd_keys}
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      { $NCU --clock-control none -k regex:$N -s 1 -c 1 --set full --import-source yes -f -o "$OUT/ncu_$N" \
+          python bench/ncu_target.py kda
+        $NCU -i "$OUT/ncu_$N.ncu-rep" --page details; } > "$OUT/ncu.txt" 2>&1
+      $NCU -i "$OUT/ncu_$N.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${N}_sass.csv" 2>&1
+      $NCU --clock-control none -k regex:_kda -s 12 -c 14 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats python bench/ncu_target.py kda > "$OUT/ncu_all.txt" 2>&1
+      grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|^  _kda" \
+        "$OUT/ncu_all.txt" | head -80
+      grep -E -i "stall|warp cycles per|issued ipc|est. speedup" "$OUT/ncu.txt" | head -40 ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

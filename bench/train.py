@@ -90,6 +90,8 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     doc_lens = (cu[1:] - cu[:-1]).tolist()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     step_t, opt_t = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(steps + 2):  # two warm-up steps
         sync(device)
         t0 = time.perf_counter()
@@ -111,7 +113,8 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     tok_s = accum * B * seq_len / step
     tflops = tok_s * flops_per_token(model, seq_len, doc_lens) / 1e12
     return {"backend": backend, "embed": embed, "regions": regions, "docs": len(doc_lens), "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,
-            "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "mfu_peak": tflops * 1e12 / PEAK_BF16, "opt_share": muon / step}
+            "tflops": tflops, "mfu": tflops * 1e12 / ROOFLINE_BF16, "mfu_peak": tflops * 1e12 / PEAK_BF16, "opt_share": muon / step,
+            "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")}
 
 
 def _variants(embed: str, regions: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
@@ -141,7 +144,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="k3-tiny, short sequences (smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq-lens", default=None, help="comma-separated (default 4096,8192; tiny 64,128)")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (default 16384; tiny 256)")
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated tokens per micro-batch (default 16384; tiny 256)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--backends", default=None, help="comma-separated KDA backends (default triton,torch on CUDA)")
     ap.add_argument("--accum", default="1", help="comma-separated micro-batches (of --tokens each) per optimizer step")
@@ -160,41 +164,42 @@ def main() -> None:
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
     seq_lens = [int(s) for s in (args.seq_lens or ("64,128" if args.tiny else "4096,8192")).split(",")]
-    tokens = args.tokens or (256 if args.tiny else 16384)
+    token_list = [int(t) for t in (args.tokens or ("256" if args.tiny else "16384")).split(",")]
     backends = (args.backends or ("triton,torch" if device.type == "cuda" else "torch")).split(",")
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(device)
     if args.compile:
-        compile_model(model, backend=args.compile_backend)
+        compile_model(model, backend=args.compile_backend, dynamic=False)  # as `k3 train`: one compile per shape
     geom = HeadGeometry.from_config(model.config.text_config)
     opt = PerHeadMuon(build_param_groups(model, geom, lr=1e-3, weight_decay=0.1))
     total, active = model.num_parameters()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
-          f"{tokens} tokens per micro-batch; median of {args.steps} steps; "
+          f"{'/'.join(map(str, token_list))} tokens per micro-batch; median of {args.steps} steps; "
           f"{'compiled regions (' + args.compile_backend + ')' if args.compile else 'eager'}")
     cols = " | ".join(col for _, _, col in REGIONS)
     print(f"| KDA backend | embeddings | {cols} | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s "
-          "| MFU (790) | MFU (989) | optimizer share | speed vs default |")
-    print("|---|---|" + "---|" * len(REGIONS) + "---:|" * 11)
+          "| MFU (790) | MFU (989) | optimizer share | peak GB | speed vs default |")
+    print("|---|---|" + "---|" * len(REGIONS) + "---:|" * 12)
     # the model's own choice per device (k3.model.fused): Triton for the timed-faster regions on CUDA
     own = {var: "triton" if device.type == "cuda" and var in TRITON_BY_DEFAULT else "inductor" for _, var, _ in REGIONS}
     variants = _variants(args.embed_dtype, {flag: getattr(args, flag[2:]) or own[var] for flag, var, _ in REGIONS})
-    runs = [(T, be, int(a), *v) for T in seq_lens for be in backends for a in args.accum.split(",") for v in variants]
+    runs = [(T, tokens, be, int(a), *v) for T in seq_lens for tokens in token_list for be in backends
+            for a in args.accum.split(",") for v in variants]
     base: dict[tuple, float] = {}  # step time of the default variant of each (T, backend, accum)
-    for T, be, accum, res, regions in runs:
+    for T, tokens, be, accum, res, regions in runs:
         impls = " | ".join(regions[var] for _, var, _ in REGIONS)
         try:
             r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, regions, args.doc_mean)
         except Exception as e:  # noqa: BLE001 - one failing variant (e.g. a kernel that does not compile) must not cost the others
             opt.zero_grad(set_to_none=True)
             print(f"| {be} | {res} | {impls} | | {T} | | {accum} | FAILED: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:120] if str(e) else ''} | | | | | | |", flush=True)
+                  f"{str(e).splitlines()[0][:120] if str(e) else ''} | | | | | | | |", flush=True)
             continue
-        ref = base.setdefault((T, be, accum), r["step_ms"])  # the first variant of a group is the default
+        ref = base.setdefault((T, tokens, be, accum), r["step_ms"])  # the first variant of a group is the default
         print(f"| {r['backend']} | {r['embed']} | {impls} | {r['docs']} | {r['T']} | {r['B']} | "
               f"{r['accum']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['mfu']:.1%} | "
-              f"{r['mfu_peak']:.1%} | {r['opt_share']:.1%} | {ref / r['step_ms']:.3f} |", flush=True)
+              f"{r['mfu_peak']:.1%} | {r['opt_share']:.1%} | {r['peak_gb']:.1f} | {ref / r['step_ms']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
