@@ -50,6 +50,15 @@ VARIANTS = {
     # offline (bench/kernel_resources.py, Triton 3.6): BK 16 spills 168 B at cap 168 (BK 32: 336 B), 392 B at 128
     "bk16reg168": {"K3_KDA_BK_BWDSPLIT": "16", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
     "bk16reg128": {"K3_KDA_BK_BWDSPLIT": "16", "K3_KDA_MAXNREG_BWDSPLIT": "128"},
+    # key kernel's A/P loop (2026-12-01, twelfth session): column results in their own scratch (COLWS: no
+    # barriers in the loop), then software pipelining of the A/P loop (AP) / the state loop (S)
+    "bk16": {"K3_KDA_BK_BWDSPLIT": "16"},
+    "colws": {"K3_KDA_COLWS": "1"},
+    "colwsap2": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "2"},
+    "colwss2": {"K3_KDA_COLWS": "1", "K3_KDA_S_STAGES_BWDSPLIT": "2"},
+    "colwsap2s2": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "2", "K3_KDA_S_STAGES_BWDSPLIT": "2"},
+    "colwsap2r168": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "2", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
+    "colwsap3": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "3"},
     # both new kernels together
     "v2split": {  # v2 forward + split backward (the defaults of the morning of 2026-12-01)
        "K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},

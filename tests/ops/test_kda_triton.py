@@ -163,6 +163,18 @@ def test_split_bwd_key_chunks(bk, cumdot, monkeypatch):
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
+@pytest.mark.parametrize("colws,stages,unroll", [("1", "1", "1"), ("1", "2", "1"), ("1", "1", "4"), ("0", "1", "2")])
+def test_split_bwd_loop_variants(colws, stages, unroll, monkeypatch):
+    # the key kernel's A/P loop: column results in their own scratch (no barriers in the loop),
+    # software-pipelined or unrolled; same results
+    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
+    monkeypatch.setenv("K3_KDA_COLWS", colws)
+    monkeypatch.setenv("K3_KDA_AP_STAGES", stages)
+    monkeypatch.setenv("K3_KDA_AP_UNROLL", unroll)
+    x = _inputs(2, 70, 1, 64, 32, torch.bfloat16, gate=True, l2=True, bsig=True)
+    _check_all(x, gate=True, l2=True, bsig=True)
+
+
 def test_split_bwd_rejects_narrow_tf32_wgmma(monkeypatch):
     # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
     monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")

@@ -131,11 +131,12 @@ def _kda_bwd_values(
 
 @triton.jit
 def _kda_bwd_keys(
-    q, k, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, DPA, ROWS, WS,
+    q, k, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, DPA, ROWS, WS, WC,
     dq, dk, dg, PART, dA_part, ddt_part, cu_seqlens, chunk_info, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
     AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr, HAND: tl.constexpr,
+    COLWS: tl.constexpr, AP_STAGES: tl.constexpr, AP_UNROLL: tl.constexpr, S_STAGES: tl.constexpr,
 ):
     """Every key-side gradient of key columns [i_k BK, i_k BK + BK) of one (chunk, head).
 
@@ -154,8 +155,21 @@ def _kda_bwd_keys(
     m_t = o_t < nr
     rows = ROWS + tile * 256
 
-    # ---- cumulative decay (kept in WS: 16-row slices are re-read bit-identical) ---------------
+    # Register budget: at most ~7 [64, BK] fp32 tiles live anywhere.  q and k are re-read
+    # (L1 / L2 hits) where needed instead of being kept live through both loops.  Their loads are
+    # issued before the cumulative decay so that one memory round trip covers all of them.
     graw = _ld(g, row64, nr, col0, H, K, BK).to(tl.float32)
+    b_b = _beta(beta, row64, m_t, H, BSIG)
+    if L2:
+        rq = tl.load(rows + o_t)
+        rk = tl.load(rows + 64 + o_t)
+    else:
+        rq = tl.full([64], 1.0, tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
+    qs = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * (rq * scale)[:, None]
+    kb = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * (rk * b_b)[:, None]
+
+    # ---- cumulative decay (kept in WS: 16-row slices are re-read bit-identical) ---------------
     b_g = _gate(graw, A_log, dt_bias, i_h, col0, m_t, lower_bound, K, BK, GATE)
     if CUMDOT:  # tf32x3 dot with the exact 0/1 lower triangle: no scan across warps
         G = _dot((o_t[None, :] <= o_t[:, None]).to(tl.float32), b_g, "tf32x3")
@@ -167,18 +181,6 @@ def _kda_bwd_keys(
     offs = o_t[:, None] * K + o_c[None, :]
     tl.store(ws + offs, G)
     tl.debug_barrier()
-
-    # Register budget: at most ~7 [64, BK] fp32 tiles live anywhere.  q and k are re-read
-    # (L1 / L2 hits) where needed instead of being kept live through both loops.
-    b_b = _beta(beta, row64, m_t, H, BSIG)
-    if L2:
-        rq = tl.load(rows + o_t)
-        rk = tl.load(rows + 64 + o_t)
-    else:
-        rq = tl.full([64], 1.0, tl.float32)
-        rk = tl.full([64], 1.0, tl.float32)
-    qs = _ld(q, row64, nr, col0, H, K, BK).to(tl.float32) * (rq * scale)[:, None]
-    kb = _ld(k, row64, nr, col0, H, K, BK).to(tl.float32) * (rk * b_b)[:, None]
 
     # ---- intra-chunk A / P backward, one 16-row column block j at a time ----------------------
     # acc_q / acc_a: row-side gradients w.r.t. the operands scale q_t (of P) and beta_t k_t (of A);
@@ -193,7 +195,8 @@ def _kda_bwd_keys(
     kbase = k + row64 * K + col0
     acc_q = tl.zeros([64, BK], dtype=tl.float32)
     acc_a = tl.zeros([64, BK], dtype=tl.float32)
-    for j in range(4):
+    wc = WC + tile * (64 * K) + col0 if COLWS else ws
+    for j in tl.range(0, 4, num_stages=AP_STAGES, loop_unroll_factor=AP_UNROLL):
         r0 = j * 16
         m = tl.load(ws + (r0 + 7) * K + o_c)
         e_j = _exp(m[None, :] - tl.load(ws + r0 * K + o_ws))
@@ -206,11 +209,11 @@ def _kda_bwd_keys(
         acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC, HAND)
         c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC, HAND) \
             + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC, HAND)
-        # block j's rows of G are dead from here on (read above by every thread)
-        tl.debug_barrier()
-        tl.store(ws + r0 * K + o_ws, e_j * c_j)
+        if not COLWS:  # block j's rows of G are dead from here on (read above by every thread)
+            tl.debug_barrier()
+        tl.store(wc + r0 * K + o_ws, e_j * c_j)
     tl.debug_barrier()
-    dkc = tl.load(ws + offs)
+    dkc = tl.load(wc + offs)
 
     # ---- state terms: dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T ------------------------------
     hbase = tile * (K * V)
@@ -218,7 +221,7 @@ def _kda_bwd_keys(
     dkg = tl.zeros([64, BK], dtype=tl.float32)
     dxw = tl.zeros([64, BK], dtype=tl.float32)
     dgl_s = tl.zeros([BK], dtype=tl.float32)
-    for vc in range(V // BV):
+    for vc in tl.range(0, V // BV, num_stages=S_STAGES):
         b_h = _ld_state(Hs, hbase, col0, vc * BV, V, BK, BV)
         b_dh = _ld_state(DH, hbase, col0, vc * BV, V, BK, BV)
         b_ht = tl.trans(b_h)
@@ -352,12 +355,16 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     nreg = os.environ.get("K3_KDA_MAXNREG_BWDSPLIT")
     extra = {"maxnreg": int(nreg)} if nreg else {}
     cumdot = os.environ.get("K3_KDA_CUMDOT_BWDSPLIT", "1" if half else "0") == "1"
+    colws = os.environ.get("K3_KDA_COLWS", "0") == "1"
+    WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
     _kda_bwd_keys[(NC * nk, H)](
         q, k, g, beta, A_log if gate else ROWS, dt_bias if gate else ROWS, Hs, DH, VN, DR, do, DPA,
-        ROWS, WS, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
+        ROWS, WS, WC, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, num_warps=warps, num_stages=1, **extra,
+        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=int(os.environ.get("K3_KDA_AP_STAGES", "1")),
+        AP_UNROLL=int(os.environ.get("K3_KDA_AP_UNROLL", "1")),
+        S_STAGES=int(os.environ.get("K3_KDA_S_STAGES_BWDSPLIT", "1")), num_warps=warps, num_stages=1, **extra,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,
