@@ -355,16 +355,16 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     nreg = os.environ.get("K3_KDA_MAXNREG_BWDSPLIT")
     extra = {"maxnreg": int(nreg)} if nreg else {}
     cumdot = os.environ.get("K3_KDA_CUMDOT_BWDSPLIT", "1" if half else "0") == "1"
-    colws = os.environ.get("K3_KDA_COLWS", "0") == "1"
+    colws = os.environ.get("K3_KDA_COLWS", "1") == "1"
     WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
     _kda_bwd_keys[(NC * nk, H)](
         q, k, g, beta, A_log if gate else ROWS, dt_bias if gate else ROWS, Hs, DH, VN, DR, do, DPA,
         ROWS, WS, WC, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=int(os.environ.get("K3_KDA_AP_STAGES", "1")),
+        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=int(os.environ.get("K3_KDA_AP_STAGES", "2")),
         AP_UNROLL=int(os.environ.get("K3_KDA_AP_UNROLL", "1")),
-        S_STAGES=int(os.environ.get("K3_KDA_S_STAGES_BWDSPLIT", "1")), num_warps=warps, num_stages=1, **extra,
+        S_STAGES=int(os.environ.get("K3_KDA_S_STAGES_BWDSPLIT", "2")), num_warps=warps, num_stages=1, **extra,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,

@@ -1,0 +1,93 @@
+"""k3.ops.router: fp32 router logits from split bf16 GEMMs vs the spec's fp32 product and float64."""
+
+import pytest
+import torch
+
+from k3.ops.router import router_logits, router_logits_reference, split3
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_split3_is_exact():
+    w = torch.randn(64, 256) * 0.02
+    p = split3(w)
+    assert p.dtype == torch.bfloat16 and p.shape == (3, 64, 256)
+    assert torch.equal(p[0].float() + (p[1].float() + p[2].float()), w)
+
+
+@pytest.mark.parametrize("N,d,E", [(300, 96, 16), (77, 128, 64)])
+def test_forward_and_grads_match_fp32(N, d, E):
+    torch.manual_seed(0)
+    x = torch.randn(N, d).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, d) * 0.05).requires_grad_()
+    g = torch.randn(N, E)
+    y = router_logits(x, w)
+    assert y.dtype == torch.float32 and y.shape == (N, E)
+    y.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 @ w64.t()
+    y64.backward(g.double())
+    ref = router_logits_reference(x.detach(), w.detach())
+    # fp32-accumulation accuracy, as the fp32 GEMM: the same order of error vs float64
+    assert _rel(y, y64) < 4 * max(_rel(ref, y64), 1e-7)
+    assert _rel(w.grad, w64.grad) < 1e-6
+    # dx ends in bf16: within its rounding
+    assert _rel(x.grad, x64.grad) < 4e-3
+    xr = x.detach().float().requires_grad_()
+    (xr @ w.detach().t()).backward(g)
+    assert _rel(x.grad, xr.grad.to(torch.bfloat16)) < 1e-3
+
+
+def test_other_dtypes_take_the_fp32_product():
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    assert torch.equal(router_logits(x, w), x @ w.t())
+    xh = torch.randn(5, 8).half()
+    assert torch.equal(router_logits(xh, w), xh.float() @ w.t())
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="fp32"):
+        router_logits(torch.randn(2, 4).bfloat16(), torch.randn(3, 4).bfloat16())
+    with pytest.raises(ValueError, match=r"\[N, d\]"):
+        router_logits(torch.randn(2, 5).bfloat16(), torch.randn(3, 4))
+
+
+def test_kernels_route_uses_the_split_for_bf16(monkeypatch):
+    """Kernels.route on its Triton path (K3_ROUTE=triton): bf16 x gets the split logits by default,
+    K3_ROUTER_SPLIT=0 the compiled fp32 region; same ids and fp32-close scores and weights."""
+    from k3.model.fused import EAGER
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(1)
+    x = torch.randn(57, 48, device=dev).to(torch.bfloat16)
+    wt, bias = torch.randn(16, 48, device=dev) * 0.1, torch.randn(16, device=dev) * 0.01
+    monkeypatch.setenv("K3_ROUTE", "triton")
+    monkeypatch.setenv("K3_ROUTER_SPLIT", "0")
+    i0, w0, s0 = EAGER.route(x, wt, bias, 4, True, 1.0)
+    monkeypatch.setenv("K3_ROUTER_SPLIT", "1")
+    i1, w1, s1 = EAGER.route(x, wt, bias, 4, True, 1.0)
+    torch.testing.assert_close(s1, s0, rtol=1e-6, atol=1e-7)
+    assert torch.equal(i1, i0)
+    torch.testing.assert_close(w1, w0, rtol=1e-6, atol=1e-7)
+    monkeypatch.setenv("K3_ROUTER_SPLIT", "yes")
+    with pytest.raises(ValueError, match="K3_ROUTER_SPLIT"):
+        EAGER.route(x, wt, bias, 4, True, 1.0)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_fp32_gemm():
+    torch.manual_seed(0)
+    x = torch.randn(65536, 1024, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(64, 1024, device="cuda") * 0.02).requires_grad_()
+    g = torch.randn(65536, 64, device="cuda")
+    y = router_logits(x, w)
+    y.backward(g)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (x64 @ w64.t()).backward(g.double())
+    assert _rel(y, x64.detach() @ w64.detach().t()) < 3e-6
+    assert _rel(w.grad, w64.grad) < 3e-6
+    assert _rel(x.grad, x64.grad) < 4e-3
