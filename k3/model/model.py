@@ -56,8 +56,9 @@ class DecoderLayer(nn.Module):
         self.mlp_res_norm = ResVector((d,), 1.0)
         self.mlp_res_proj = ResVector((1, d), 0.0)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """FFN(x) [+ residual, the sum inside the FFN's last GEMM]."""
+        return self.block_sparse_moe(x, residual) if hasattr(self, "block_sparse_moe") else self.mlp(x, residual)
 
     def forward(self, bank: list[torch.Tensor], prefix: torch.Tensor, layout: SeqLayout,
                 cache: HybridCache | None) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -74,7 +75,7 @@ class DecoderLayer(nn.Module):
         else:
             prefix = prefix + a
         m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
-        return bank, prefix + self.ffn(m)
+        return bank, self.ffn(m, prefix)
 
     def _mix(self, bank, prefix, norm: ResVector, proj: ResVector, ln: RMSNorm | None = None
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from k3.config import TextConfig
-from k3.model.common import GLUMLP, RMSNorm, keep_fp32
+from k3.model.common import GLUMLP, RMSNorm, keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, route_slots
 
 
@@ -121,14 +121,16 @@ class LatentMoE(nn.Module):
                                          config.hidden_act, config.activation_situ_beta,
                                          config.activation_situ_linear_beta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d] -> the MoE output [..., d], plus `residual` (same shape) if given. The sums ride in the
+        shared experts' and the up projection's GEMMs (`linear_residual`): no separate adds."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         idx, w, _ = self.gate(x2)
         r = self.experts(self.routed_expert_down_proj(x2), idx, w).to(x.dtype)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
-        y = self.routed_expert_up_proj(r)
+        rest = residual.reshape(-1, shape[-1]) if residual is not None else None
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x2)
-        return y.reshape(shape)
+            rest = self.shared_experts(x2, rest)
+        return linear_residual(r, self.routed_expert_up_proj.weight, rest).reshape(shape)

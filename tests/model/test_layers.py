@@ -287,3 +287,22 @@ def test_mla_varlen_flash_matches_padded_on_gpu(monkeypatch):
         results.append((out.float(), xi.grad, mla.kv_b_proj.weight.grad))
     for a, b in zip(*results):
         assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
+
+
+def test_linear_residual_sums_in_the_gemm():
+    """residual + x W^T in one addmm (same dtype), the plain add otherwise; gradients to all three."""
+    from k3.model.common import linear_residual
+
+    torch.manual_seed(0)
+    x, w, r = (torch.randn(2, 5, 8, requires_grad=True), torch.randn(6, 8, requires_grad=True),
+               torch.randn(2, 5, 6, requires_grad=True))
+    y = linear_residual(x, w, r)
+    want = r + x @ w.t()
+    torch.testing.assert_close(y, want)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w, r), g)
+    for a, b in zip(got, torch.autograd.grad(want, (x, w, r), g)):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(linear_residual(x, w, None), torch.nn.functional.linear(x, w))
+    r64 = r.detach().double()  # another dtype keeps the promoting add
+    assert linear_residual(x, w, r64).dtype == torch.float64

@@ -104,7 +104,8 @@ def test_attn_res_wiring_matches_spec_and_has_no_plain_residual(model):
     ids = torch.randint(0, 4096, (2, 9))
     with torch.no_grad():
         got = model(ids).logits
-        torch.testing.assert_close(got, _spec_forward(model, ids), atol=1e-6, rtol=0)
+        # fp32 summation order only: the model adds the residual inside the FFN's last GEMM (addmm)
+        torch.testing.assert_close(got, _spec_forward(model, ids), atol=1e-5, rtol=1e-5)
         # A plain residual stream (x + f(x)) would give different logits: AttnRes weights must matter.
         saved = model.model.output_attn_res_proj.weight.clone()
         model.model.output_attn_res_proj.weight.mul_(-3.0)
