@@ -24,6 +24,7 @@ token for k3-small at T 8192, so the MFU values measured earlier are that much h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -78,6 +79,7 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     "triton" / "inductor" (unset: inductor); doc_mean > 0: documents of random lengths (that mean) in
     the rows."""
     model.set_kda_backend(backend)
+    step_weights = os.environ.get("K3_BENCH_STEP_WEIGHTS", "1") == "1"  # 0: autograd's per-micro-batch casts
     model.model.fp32_embeddings = embed == "fp32"
     regions = {var: (regions or {}).get(var, "inductor") for _, var, _ in REGIONS}
     os.environ.update(regions)
@@ -95,10 +97,11 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     for i in range(steps + 2):  # two warm-up steps
         sync(device)
         t0 = time.perf_counter()
-        for _ in range(accum):
-            with amp:
-                loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu, return_logits=False).loss
-            (loss / accum).backward()
+        with model.step_weights() if step_weights else contextlib.nullcontext():  # as `k3 train` on one GPU
+            for _ in range(accum):
+                with amp:
+                    loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu, return_logits=False).loss
+                (loss / accum).backward()
         sync(device)
         t1 = time.perf_counter()
         opt.step()

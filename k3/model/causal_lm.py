@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +15,7 @@ from k3.config import K3Config
 from k3.model.cache import HybridCache
 from k3.model.common import KEEP_FP32
 from k3.model.kda import KDAttention
+from k3.model.moe import RoutedExperts
 from k3.model.model import K3Model, ResVector
 from k3.model.vision import MoonViTEncoder, VisionConfig
 from k3.ops.cross_entropy.logprobs import linear_token_logprobs
@@ -167,6 +170,24 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, KDAttention):
                 m.kda_backend = backend
         return self
+
+    @contextlib.contextmanager
+    def step_weights(self) -> Iterator[None]:
+        """Context for one optimizer step's micro-batches (forward + backward each) in single-process
+        training: the routed experts' compute-dtype weight copies are made once and shared, and their
+        gradients are added straight into the fp32 `.grad` (see `k3.model.moe._StepExpertWeights`). Leave
+        it before the optimizer changes the weights. Not for FSDP / expert-parallel models, whose gradient
+        hooks would not see those gradients."""
+        experts = [m for m in self.modules() if isinstance(m, RoutedExperts)]
+        if any(m.step_cache is not None for m in experts):
+            raise RuntimeError("step_weights() is already active (nested steps would share stale weights)")
+        for m in experts:
+            m.step_cache = {}
+        try:
+            yield
+        finally:
+            for m in experts:
+                m.step_cache = None
 
     def new_cache(self, num_seqs: int, *, capacity: int = 256, absorb_mla: bool = True) -> HybridCache:
         p = self.lm_head.weight

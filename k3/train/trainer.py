@@ -244,31 +244,10 @@ class Trainer:
         batch = next(self.data.loader)
         rows = self.cfg.micro_batch_tokens and max(1, self.cfg.micro_batch_tokens // batch.seq_len)
         micro = batch.split_rows(rows) if rows else [batch]
-        vb = vision_loss = None
-        loss = 0.0
-        flops = 0.0
-        for mb in micro:
-            if len(micro) > 1 and mb.num_targets == 0:
-                continue  # nothing to learn from (its mean loss would be 0/0)
-            # each micro-batch's mean loss weighted by its share of the step's targets: the summed
-            # gradients equal those of the whole batch in one forward
-            w = mb.num_targets / batch.num_targets if len(micro) > 1 else 1.0
-            ids, labels = (to_device_async(t, self.device) for t in (mb.input_ids, mb.labels))
-            cu = mb.cu_seqlens  # host offsets: the model's layers then never read them back from the GPU
-            with self._autocast():
-                if self.vision is not None:  # image chats packed after the text rows, one forward
-                    vb = next(self.vision.loader).to(self.device)
-                    objective, mloss, vision_loss = joint_loss(self.model, ids, labels,
-                                                               to_device_async(cu, self.device), vb,
-                                                               self.cfg.vision_loss_weight)
-                elif self.par is None:
-                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
-                else:
-                    local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), mb.seq_len)
-                    objective, mloss = self.par.loss(self.model, local)
-            (objective * w if len(micro) > 1 else objective).backward()
-            loss = loss + mloss.detach() * w
-            flops += batch_flops(self.model_config.text_config, self.num_params[1], mb.cu_seqlens)
+        # single process: the expert weights' compute copies are shared by the micro-batches and their
+        # gradients accumulate in place (K3ForCausalLM.step_weights); distributed wrappers keep autograd's way
+        with self.model.step_weights() if self.par is None else contextlib.nullcontext():
+            loss, flops, vb, vision_loss = self._micro_batches(batch, micro)
         if self.par is None:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or float("inf"))
         else:
@@ -299,6 +278,36 @@ class Trainer:
         if self.par is not None:
             rec.update(self.par.metrics())
         return rec
+
+    def _micro_batches(self, batch, micro: list) -> tuple[Any, float, Any, Any]:
+        """Forward + backward of each micro-batch, gradients summed in .grad: (loss, model FLOPs, the last
+        vision batch, its loss)."""
+        vb = vision_loss = None
+        loss = 0.0
+        flops = 0.0
+        for mb in micro:
+            if len(micro) > 1 and mb.num_targets == 0:
+                continue  # nothing to learn from (its mean loss would be 0/0)
+            # each micro-batch's mean loss weighted by its share of the step's targets: the summed
+            # gradients equal those of the whole batch in one forward
+            w = mb.num_targets / batch.num_targets if len(micro) > 1 else 1.0
+            ids, labels = (to_device_async(t, self.device) for t in (mb.input_ids, mb.labels))
+            cu = mb.cu_seqlens  # host offsets: the model's layers then never read them back from the GPU
+            with self._autocast():
+                if self.vision is not None:  # image chats packed after the text rows, one forward
+                    vb = next(self.vision.loader).to(self.device)
+                    objective, mloss, vision_loss = joint_loss(self.model, ids, labels,
+                                                               to_device_async(cu, self.device), vb,
+                                                               self.cfg.vision_loss_weight)
+                elif self.par is None:
+                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
+                else:
+                    local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), mb.seq_len)
+                    objective, mloss = self.par.loss(self.model, local)
+            (objective * w if len(micro) > 1 else objective).backward()
+            loss = loss + mloss.detach() * w
+            flops += batch_flops(self.model_config.text_config, self.num_params[1], mb.cu_seqlens)
+        return loss, flops, vb, vision_loss
 
     @torch.no_grad()
     def evaluate(self) -> float:

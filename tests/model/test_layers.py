@@ -1,5 +1,6 @@
 """The facts that are easy to get wrong, one test each."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -306,3 +307,69 @@ def test_linear_residual_sums_in_the_gemm():
     assert torch.equal(linear_residual(x, w, None), torch.nn.functional.linear(x, w))
     r64 = r.detach().double()  # another dtype keeps the promoting add
     assert linear_residual(x, w, r64).dtype == torch.float64
+
+
+def _expert_loss(w13, w2, x):
+    """A stand-in micro-batch: every expert's packed gate/up and down weights used once, bf16 compute."""
+    h = torch.einsum("nl,eil->eni", x, w13)  # [E, N, 2I]
+    return torch.einsum("eni,eli->enl", h[..., : w2.shape[-1]], w2).float().square().mean()
+
+
+def test_step_expert_weights_share_casts_and_accumulate_exact_grads():
+    """Inside step_weights() the experts' bf16 copies are made once per step and each micro-batch's
+    backward adds into the fp32 .grad in place: the same bits as autograd's cast + accumulation."""
+    from k3.config import k3_tiny
+    from k3.model.causal_lm import K3ForCausalLM
+    from k3.model.moe import RoutedExperts
+
+    model = K3ForCausalLM(k3_tiny()).init_weights(seed=0)
+    ex = next(m for m in model.modules() if isinstance(m, RoutedExperts))
+    xs = [torch.randn(5, ex.w1.shape[2]).to(torch.bfloat16) for _ in range(3)]
+
+    def run(shared: bool):
+        model.zero_grad(set_to_none=True)
+        with model.step_weights() if shared else contextlib.nullcontext():
+            seen = set()
+            for x in xs:
+                w13, w2 = ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)
+                seen.add(id(w13))
+                assert w13.dtype == torch.bfloat16 and w13.shape[1] == 2 * ex.w1.shape[1]
+                _expert_loss(w13, w2, x).backward()
+            assert len(seen) == (1 if shared else len(xs))
+        return [p.grad.clone() for p in (ex.w1, ex.w3, ex.w2)]
+
+    plain, shared = run(False), run(True)
+    for a, b in zip(plain, shared):
+        assert b.dtype == torch.float32 and torch.equal(a, b)
+    assert ex.step_cache is None  # reset on exit
+    with model.step_weights():
+        with pytest.raises(RuntimeError, match="already active"):
+            with model.step_weights():
+                pass
+    ex.weight_transform = lambda w: w * 1.0  # a transform (QAT) keeps autograd's path
+    with model.step_weights():
+        ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)
+        assert ex.step_cache == {}
+
+
+@pytest.mark.gpu
+def test_step_weights_model_grads_identical_on_cuda():
+    """k3-tiny, bf16 autocast, 2 micro-batches: step_weights() gives bit-identical gradients."""
+    from k3.model.causal_lm import K3ForCausalLM
+
+    model = K3ForCausalLM(k3_tiny()).init_weights(seed=0).cuda().train()
+    ids = torch.randint(0, 4096, (2, 65), device="cuda")
+
+    def run(shared: bool):
+        model.zero_grad(set_to_none=True)
+        with model.step_weights() if shared else contextlib.nullcontext():
+            for r in range(2):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(ids[r:r + 1, :-1], labels=ids[r:r + 1, 1:]).loss
+                loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    a, b = run(False), run(True)
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
