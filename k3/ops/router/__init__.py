@@ -49,6 +49,13 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
+def mm_bf16(a: Tensor, b: Tensor) -> Tensor:
+    """a [M, K] @ b [K, N], both bf16, accumulated in fp32 and rounded once to bf16 (no fp32 [M, N] pass)."""
+    if a.is_cuda:
+        return torch.mm(a, b)
+    return (a.float() @ b.float()).to(torch.bfloat16)
+
+
 class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # noqa: ANN001 - autograd signature
@@ -68,7 +75,7 @@ class _RouterLogits(torch.autograd.Function):
             g_hi, g_lo = split2(g)
             a = torch.cat([g_hi, g_hi, g_lo], dim=1)  # [N, 3E]
             b = torch.cat([parts[0], parts[1], parts[0]], dim=0)  # [3E, d]
-            dx = mm_f32(a, b).to(x.dtype)
+            dx = mm_bf16(a, b)  # x is bf16 on this path
         if ctx.needs_input_grad[1]:
             gp = split3(g.t().contiguous()).reshape(3 * E, -1)  # [3E, N]
             d3 = mm_f32(gp, x).reshape(3, E, -1)
@@ -92,4 +99,4 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
         return _RouterLogits.apply(x, weight)
 
 
-__all__ = ["router_logits", "router_logits_reference", "split3", "split2", "mm_f32"]
+__all__ = ["router_logits", "router_logits_reference", "split3", "split2", "mm_f32", "mm_bf16"]
