@@ -4,7 +4,8 @@ For each variant: relative errors of o and every gradient against the float64 re
 small input with the timing configuration's kernel specialisation (H96 D128 bf16, pre-gated g,
 qk-L2 in kernel), then fwd and fwd+bwd times at B1 T8192 H96 D128 (--shape T,H and --docs N: e.g.
 k3-small's micro-batch, 65536,8 in 8 documents).  The variant named "default"
-also gets the no-grad forward and a per-kernel profile.  A decode sweep (tile width / warps) ends
+also gets the no-grad forward and a per-kernel profile. --gate calls the kernels as the model does (gate
+and beta's sigmoid inside).  A decode sweep (tile width / warps) ends
 the run.  Prints one line per measurement (flushes), so a run cut short still reports.
 
 Usage: python bench/kda_variants.py [--variants default,st1] [--decode] [--check-T 512] [--shape 65536,8 --docs 8]
@@ -59,6 +60,9 @@ VARIANTS = {
     "colwsap2s2": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "2", "K3_KDA_S_STAGES_BWDSPLIT": "2"},
     "colwsap2r168": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "2", "K3_KDA_MAXNREG_BWDSPLIT": "168"},
     "colwsap3": {"K3_KDA_COLWS": "1", "K3_KDA_AP_STAGES": "3"},
+    "oldloops": {"K3_KDA_COLWS": "0", "K3_KDA_AP_STAGES": "1", "K3_KDA_S_STAGES_BWDSPLIT": "1"},  # before 2026-12-01 pm
+    "ap1s2": {"K3_KDA_AP_STAGES": "1"},  # offline (Triton 3.6, model's gate): 8 B of spills vs 128 B for AP 2 / S 2
+    "ap2s1": {"K3_KDA_S_STAGES_BWDSPLIT": "1"},
     # both new kernels together
     "v2split": {  # v2 forward + split backward (the defaults of the morning of 2026-12-01)
        "K3_KDA_FWD_INTRA": "v2", "K3_KDA_BWD_INTRA": "split"},
@@ -96,9 +100,17 @@ def rel(a, b) -> float:
 
 
 def inputs(T, H=96, D=128, seed=0):
+    """[q, k, v, g, beta] as fla's registry config (pre-gated g, beta in (0, 1)); with CU["gate"] as the
+    model calls the kernel: raw gate pre-activations f, raw beta logits, A_log [H], dt_bias [H * D]."""
     torch.manual_seed(seed)
     mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
     q, k, v = mk(1, T, H, D), mk(1, T, H, D), mk(1, T, H, D)
+    if CU.get("gate"):
+        f = mk(1, T, H, D)
+        b = torch.randn(1, T, H, device="cuda", requires_grad=True)
+        A_log = (torch.randn(H, device="cuda") * 0.1).requires_grad_()
+        dt_bias = torch.randn(H * D, device="cuda").requires_grad_()
+        return [q, k, v, f, b, A_log, dt_bias]
     g = F.logsigmoid(torch.randn(1, T, H, D, device="cuda")).clamp_min(-5.0).to(torch.bfloat16).requires_grad_()
     beta = torch.sigmoid(torch.randn(1, T, H, device="cuda")).to(torch.bfloat16).requires_grad_()
     return [q, k, v, g, beta]
@@ -111,6 +123,9 @@ def k3_call(x):
     from k3.ops.kda.chunk import chunk_kda
 
     cu = CU.get("big") if x[0].shape[1] == CU.get("T") else None
+    if len(x) == 7:  # the model's call: gate and beta's sigmoid in the kernels
+        return chunk_kda(*x[:5], A_log=x[5], dt_bias=x[6], lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, cu_seqlens=cu)[0]
     return chunk_kda(*x, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
 
 
@@ -119,7 +134,12 @@ def reference(x):
     from k3.ops.kda.reference import kda_reference
 
     d = [t.detach().double().requires_grad_() for t in x]
-    ro, _ = kda_reference(l2norm(d[0]), l2norm(d[1]), d[2], d[3], d[4], dtype=torch.float64)
+    g, beta = d[3], d[4]
+    if len(d) == 7:  # g = -5 sigmoid(e^A_log (f + dt_bias)), beta = sigmoid(b), in float64
+        H, D = d[3].shape[-2:]
+        g = -5.0 * torch.sigmoid(d[5].exp()[:, None] * (d[3] + d[6].view(H, D)))
+        beta = torch.sigmoid(d[4])
+    ro, _ = kda_reference(l2norm(d[0]), l2norm(d[1]), d[2], g, beta, dtype=torch.float64)
     do = torch.randn_like(ro)
     rg = torch.autograd.grad((ro * do).sum(), d)
     return ro.detach(), do, [t.detach() for t in rg]
@@ -130,7 +150,7 @@ def errors(x, ref) -> dict:
     o = k3_call(x)
     gr = torch.autograd.grad((o.double() * do).sum(), x)
     e = {"o": rel(o, ro)}
-    e.update({f"d{n}": rel(a, b) for n, a, b in zip("qkvgb", gr, rg)})
+    e.update({f"d{n}": rel(a, b) for n, a, b in zip(["q", "k", "v", "g", "b", "A_log", "dt_bias"], gr, rg)})
     return e
 
 
@@ -224,7 +244,10 @@ def main(argv=None) -> int:
     ap.add_argument("--check-T", type=int, default=512)
     ap.add_argument("--shape", default="8192,96", help="T,H of the timed input (B 1, D 128)")
     ap.add_argument("--docs", type=int, default=1, help="equal documents in the timed row (cu_seqlens)")
+    ap.add_argument("--gate", action="store_true",
+                    help="call the kernels as the model does: gate and beta's sigmoid inside (raw f, b, A_log, dt_bias)")
     args = ap.parse_args(argv)
+    CU["gate"] = args.gate
     T, H = (int(x) for x in args.shape.split(","))
     if T % args.docs:
         raise SystemExit(f"--docs {args.docs} does not divide T {T}")
