@@ -36,6 +36,7 @@ from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.router import router_logits
 from k3.ops.situ import situ_glu
+from k3.ops.triton_utils import env_flag
 
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype
@@ -386,16 +387,6 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE")
 
 
-def _flag_env(var: str, default: bool) -> bool:
-    """Env `var` as a switch: unset -> default, "1" / "0" -> on / off; anything else raises."""
-    value = os.environ.get(var)
-    if value is None:
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
-    return value == "1"
-
-
 def _triton_choice(var: str, x: Tensor) -> bool:
     """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE) picks a region's training
     implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
@@ -499,7 +490,7 @@ class Kernels:
         if len(cands) == 1:
             mix, carried = cands[0], []
         elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            fused = norm is not None and _flag_env("K3_ATTNRES_NORM", False)
+            fused = norm is not None and env_flag("K3_ATTNRES_NORM", False)
             out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight if fused else None,
                                norm_eps=norm.eps if fused else 1e-5)
             mix, carried = out if carry else (out, [])
@@ -519,7 +510,7 @@ class Kernels:
         its fp32 logits from bf16 tensor-core GEMMs against the weight split exactly in three bf16 parts
         (`k3.ops.router`, 7x faster than casting x for an fp32 GEMM; env K3_ROUTER_SPLIT=0: the fp32 GEMM)."""
         if _triton_choice("K3_ROUTE", x):
-            if x.dtype == torch.bfloat16 and _flag_env("K3_ROUTER_SPLIT", True):
+            if x.dtype == torch.bfloat16 and env_flag("K3_ROUTER_SPLIT", True):
                 scores = torch.sigmoid(router_logits(x, weight))  # fp32 logits from bf16 GEMMs: k3.ops.router
             else:
                 scores = self.router_scores(x, weight)

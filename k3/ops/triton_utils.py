@@ -2,7 +2,7 @@
 
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
-`env_tile` reads a kernel's program-tile knobs.
+`env_tile` reads a kernel's program-tile knobs, `env_flag` its on/off switches.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ def env_tile(prefix: str, names: tuple[str, ...], defaults: tuple[int, ...]) -> 
             raise ValueError(f"{prefix}_{name} must be a power of two, got {v}")
         out.append(v)
     return tuple(out)
+
+
+def env_flag(var: str, default: bool) -> bool:
+    """Env `var` as a switch, read per call: unset -> default, "1" / "0" -> on / off; anything else raises
+    (a mistyped value must not silently pick a kernel variant)."""
+    value = os.environ.get(var)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
+    return value == "1"
 
 
 @triton.jit

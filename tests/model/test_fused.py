@@ -415,13 +415,18 @@ def test_triton_regions_are_the_cuda_training_default(monkeypatch):
 
 
 def test_switch_env_values(monkeypatch):
-    """On / off switches (K3_ATTNRES_NORM) take "0" or "1"; anything else is a clear error."""
-    from k3.model.fused import _flag_env
+    """On / off switches (K3_ATTNRES_NORM, the KDA kernels' K3_KDA_* switches) take "0" or "1"; anything
+    else is a clear error, also where a kernel reads it."""
+    from k3.ops.kda.chunk import _flag
+    from k3.ops.triton_utils import env_flag
 
     monkeypatch.delenv("K3_ATTNRES_NORM", raising=False)
-    assert _flag_env("K3_ATTNRES_NORM", False) is False
+    assert env_flag("K3_ATTNRES_NORM", False) is False
     monkeypatch.setenv("K3_ATTNRES_NORM", "1")
-    assert _flag_env("K3_ATTNRES_NORM", False) is True
+    assert env_flag("K3_ATTNRES_NORM", False) is True
     monkeypatch.setenv("K3_ATTNRES_NORM", "yes")
     with pytest.raises(ValueError, match="K3_ATTNRES_NORM must be '0' or '1'"):
-        _flag_env("K3_ATTNRES_NORM", False)
+        env_flag("K3_ATTNRES_NORM", False)
+    monkeypatch.setenv("K3_KDA_CUMDOT", "true")
+    with pytest.raises(ValueError, match="K3_KDA_CUMDOT must be '0' or '1'"):
+        _flag("CUMDOT", True)

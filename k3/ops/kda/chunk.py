@@ -52,6 +52,7 @@ from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
+from k3.ops.triton_utils import env_flag
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
@@ -150,8 +151,8 @@ def _tile(name: str, default: int, dim: int) -> int:
 
 
 def _flag(name: str, default: bool) -> bool:
-    """Boolean kernel switch (env K3_KDA_<name> = 0 / 1 for tuning)."""
-    return os.environ.get(f"K3_KDA_{name}", str(int(default))) == "1"
+    """Boolean kernel switch (env K3_KDA_<name> = 0 / 1 for tuning; other values raise)."""
+    return env_flag(f"K3_KDA_{name}", default)
 
 
 def _warps(name: str, default: int) -> int:

@@ -64,6 +64,7 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
+from k3.ops.triton_utils import env_flag
 
 
 @triton.jit
@@ -358,8 +359,8 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     # a tuning experiment, GPU only)
     nreg = os.environ.get("K3_KDA_MAXNREG_BWDSPLIT")
     extra = {"maxnreg": int(nreg)} if nreg else {}
-    cumdot = os.environ.get("K3_KDA_CUMDOT_BWDSPLIT", "1" if half else "0") == "1"
-    colws = os.environ.get("K3_KDA_COLWS", "1") == "1"
+    cumdot = env_flag("K3_KDA_CUMDOT_BWDSPLIT", half)
+    colws = env_flag("K3_KDA_COLWS", True)
     WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
     _kda_bwd_keys[(NC * nk, H)](
         q, k, g, beta, A_log if gate else ROWS, dt_bias if gate else ROWS, Hs, DH, VN, DR, do, DPA,
