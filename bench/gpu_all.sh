@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -97,10 +97,17 @@ for s in $sections; do
       grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|^  _kda" \
         "$OUT/ncu_all.txt" | head -80
       grep -E -i "stall|warp cycles per|issued ipc|est. speedup" "$OUT/ncu.txt" | head -40 ;;
+    router)  # MoE router scores: split bf16 GEMMs (k3.ops.router) vs the fp32 region vs eager
+      python bench/router.py 2>&1 | quiet > "$OUT/router.txt"
+      grep -E "^\||check" "$OUT/router.txt" ;;
+    kdagate)  # the KDA key kernel's loop variants as the model calls the kernels (gate + beta sigmoid inside)
+      python bench/kda_variants.py --gate --shape 65536,8 --docs 8 --variants ${KDA_VARIANTS:-default,oldloops,ap1s2,ap2s1} \
+        2>&1 | quiet > "$OUT/kdagate.txt"
+      grep -E "errors|fwd\+bwd|_kda_bwd_keys|registers" "$OUT/kdagate.txt" | head -40 ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -167,8 +167,11 @@ def main() -> None:
         loss.backward()
 
     if "train" in phases:
-        profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device, args.rows, args.by_shape,
-                      args.host, _trace_path(args.trace, "train"), args.by_node)
+        # inside one step_weights() as `k3 train` on one GPU: the expert weight copies come from the warm-up
+        # call, so the profiled forward+backward is a micro-batch after a step's first
+        with model.step_weights():
+            profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device,
+                          args.rows, args.by_shape, args.host, _trace_path(args.trace, "train"), args.by_node)
     if "optim" in phases:
         fwd_bwd()
         profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows,
