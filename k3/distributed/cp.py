@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from k3.model.cache import SeqLayout
-from k3.model.common import rms_norm
+from k3.model.common import linear_residual, rms_norm
 from k3.model.kda import KDAttention, causal_conv_silu
 from k3.model.mla import GatedMLA, _sdpa
 from k3.ops.kda import kda, kda_gate, l2norm
@@ -127,7 +127,8 @@ def _check(layout: SeqLayout, cache) -> None:
         raise ValueError("context parallel needs packed input with cu_seqlens")
 
 
-def kda_cp_forward(self: KDAttention, x: torch.Tensor, layout: SeqLayout, cache=None) -> torch.Tensor:
+def kda_cp_forward(self: KDAttention, x: torch.Tensor, layout: SeqLayout, cache=None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """KDAttention.forward on this rank's segment of the row (see module docstring)."""
     _check(layout, cache)
     ctx: CPContext = self._k3_cp
@@ -156,10 +157,11 @@ def kda_cp_forward(self: KDAttention, x: torch.Tensor, layout: SeqLayout, cache=
                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend)
     gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, H, K)
     o = (rms_norm(o.float(), self.o_norm.weight, self.eps) * gate).to(x.dtype)
-    return self.o_proj(o.reshape(B, T, H * K))
+    return linear_residual(o.reshape(B, T, H * K), self.o_proj.weight, residual)
 
 
-def mla_cp_forward(self: GatedMLA, x: torch.Tensor, layout: SeqLayout, cache=None) -> torch.Tensor:
+def mla_cp_forward(self: GatedMLA, x: torch.Tensor, layout: SeqLayout, cache=None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """GatedMLA.forward with keys/values from the all-gathered latent of the whole row."""
     _check(layout, cache)
     ctx: CPContext = self._k3_cp
@@ -168,7 +170,7 @@ def mla_cp_forward(self: GatedMLA, x: torch.Tensor, layout: SeqLayout, cache=Non
     k, v = self._expand(full)
     o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx.attention_mask(), causal=False,
               scale=self.scale)
-    return self._out(x, o.transpose(1, 2))
+    return self._out(x, o.transpose(1, 2), residual)
 
 
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> CPContext:

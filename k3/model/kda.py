@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
-from k3.model.common import keep_fp32
+from k3.model.common import keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, linear_multi
 from k3.ops.kda import kda, kda_gate, l2norm
 from k3.ops.short_conv import document_starts, short_conv_silu
@@ -165,7 +165,10 @@ class KDAttention(nn.Module):
             frac = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), 0.0)) / -self.lower_bound
             self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))  # logit
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> KDA output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
+        output projection's GEMM (`linear_residual`)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
@@ -192,7 +195,7 @@ class KDAttention(nn.Module):
             cache.kda_state[self.layer_idx] = final.float()
             cache.conv_tail[self.layer_idx] = new_tail
         o = self.kernels.gated_rms_norm(o, self.o_norm.weight, g_in.reshape(B, T, H, K), self.eps, x.dtype)
-        return self.o_proj(o.reshape(B, T, H * K))
+        return linear_residual(o.reshape(B, T, H * K), self.o_proj.weight, residual)
 
     def _decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
-from k3.model.common import RMSNorm
+from k3.model.common import RMSNorm, linear_residual
 from k3.model.fused import EAGER, Kernels
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
@@ -69,20 +69,23 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.rope)], dim=-1)
         return k, v
 
-    def _out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """attn [B, T, H, v] -> gate -> o_proj."""
+    def _out(self, x: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """attn [B, T, H, v] -> gate -> o_proj [+ residual, inside the GEMM]."""
         B, T = attn.shape[:2]
         attn = attn.reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             attn = self.kernels.sigmoid_gate(attn, self.g_proj(x), x.dtype)
-        return self.o_proj(attn)
+        return linear_residual(attn, self.o_proj.weight, residual)
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
+        output projection's GEMM (`linear_residual`)."""
         q, lat = self._q(x), self._latent(x)
         if cache is None:
             k, v = self._expand(lat)
-            return self._out(x, self._attend_packed(q, k, v, layout))
-        return self._out(x, self._attend_cached(q, lat, layout, cache))
+            return self._out(x, self._attend_packed(q, k, v, layout), residual)
+        return self._out(x, self._attend_cached(q, lat, layout, cache), residual)
 
     # -- attention without a cache -------------------------------------------------------------
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:

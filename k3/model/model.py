@@ -69,11 +69,10 @@ class DecoderLayer(nn.Module):
         """
         h, bank = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj,
                             self.input_layernorm)
-        a = self.self_attn(h, layout, cache)
         if self.layer_idx % self.block_size == 0:  # block boundary: bank the prefix, restart it at 0
-            bank, prefix = bank + [prefix], a
-        else:
-            prefix = prefix + a
+            bank, prefix = bank + [prefix], self.self_attn(h, layout, cache)
+        else:  # prefix + attention, the sum inside the output projection's GEMM
+            prefix = self.self_attn(h, layout, cache, residual=prefix)
         m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         return bank, self.ffn(m, prefix)
 
