@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -97,6 +97,9 @@ for s in $sections; do
       grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|^  _kda" \
         "$OUT/ncu_all.txt" | head -80
       grep -E -i "stall|warp cycles per|issued ipc|est. speedup" "$OUT/ncu.txt" | head -40 ;;
+    groupedmm)  # the routed experts' five grouped GEMMs in alternative operand layouts (k3-small, 64K tokens)
+      python bench/grouped_mm.py 2>&1 | quiet > "$OUT/groupedmm.txt"
+      grep -E "^\||^#" "$OUT/groupedmm.txt" ;;
     router)  # MoE router scores: split bf16 GEMMs (k3.ops.router) vs the fp32 region vs eager
       python bench/router.py 2>&1 | quiet > "$OUT/router.txt"
       grep -E "^\||check" "$OUT/router.txt" ;;
@@ -107,7 +110,7 @@ for s in $sections; do
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -22,10 +22,11 @@ outputs.  Three launches:
      masks of a 16-wide slice imply (no 4x redundant tensor work).  16-row slices of G go through an
      fp32 scratch WS [NC, H, 64, K] (this program's own [64, BK] block, re-read after a barrier:
      bit-identical to the registers' G), the column results through a second one, WC, so that the
-     loop needs no barrier and Triton software-pipelines its loads (num_stages 2, as the state loop's:
-     H200, k3-small's layer: key kernel 3.42 -> 3.18 ms, ncu showed it waiting on those loads with 2
-     programs of 255 registers per SM; env K3_KDA_COLWS=0 / K3_KDA_AP_STAGES / K3_KDA_S_STAGES_BWDSPLIT
-     for the old ways).  Then the state terms
+     loop needs no barrier and Triton software-pipelines its loads (num_stages 2, as the state loop's;
+     ncu showed the kernel waiting on those loads with 2 programs of 255 registers per SM).  H200,
+     k3-small's shape: 3.42 -> 3.18 ms with pre-gated g, unchanged (3.68 ms) with the gate in the
+     kernel, the model's call, which then spills 128 B (docs/kda_kernels.md; env K3_KDA_COLWS=0 /
+     K3_KDA_AP_STAGES / K3_KDA_S_STAGES_BWDSPLIT for the old ways).  Then the state terms
      dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T (bf16 / fp16 dots), dG, the reverse
      cumsum to dg, the gate backward; row sums that need all K (beta's key share, k_hat . dk_hat)
      are written per key chunk to PART [NC, H, K/BK, 2, 64] (deterministic: no atomics).

@@ -6,7 +6,7 @@ each, 24 in all). Every product of a bf16 x by a bf16 part is exact in fp32, so 
 stacked parts [W_hi; W_mid; W_lo] ([3E, d], accumulated in fp32, fp32 output) gives the fp32 product to
 fp32 accumulation accuracy, as the fp32 GEMM does, at tensor-core speed: on an H200 at 65,536 x 1,024 x 64
 0.056 ms against 0.408 ms for the cast of x plus cuBLAS's fp32 GEMM (TF32 off), relative error vs float64
-1.0e-6 against 5.7e-7 (bench/_probe_mm.py, 2026-12-01).
+1.0e-6 against 5.7e-7 (a probe of these GEMMs, 2026-12-01; `bench/router.py` is the maintained benchmark).
 
 The backward works the same way: dW = g^T x with g split into three bf16 parts (exact products, fp32
 sums); dx = g W, which is rounded to x's bf16 at the end, from the three largest part products
