@@ -14,6 +14,7 @@ import torch.nn as nn
 from k3.config import K3Config
 from k3.model.cache import HybridCache
 from k3.model.common import KEEP_FP32
+from k3.model.fused import plain_weight
 from k3.model.kda import KDAttention
 from k3.model.moe import RoutedExperts
 from k3.model.model import K3Model, ResVector
@@ -147,7 +148,7 @@ class K3ForCausalLM(nn.Module):
         logits are never materialised (`k3.ops.cross_entropy.logprobs.linear_token_logprobs`: chunks of
         about 1 GiB of fp32 logits, recomputed in the backward). An lm_head weight held as a tensor
         subclass (FSDP-sharded) takes the full-logits path through `forward` instead."""
-        if type(self.lm_head.weight.data) is not torch.Tensor:
+        if not plain_weight(self.lm_head.weight):
             logits = self(input_ids, cu_seqlens=cu_seqlens, media=media,
                           media_embeds=media_embeds).logits.float() / temperature
             lp = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)

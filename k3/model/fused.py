@@ -387,6 +387,12 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE")
 
 
+def plain_weight(w: Tensor) -> bool:
+    """w is a plain, unsharded tensor (not an FSDP DTensor or another subclass): what the chunked lm_head
+    ops (the fused loss, the token log-probs) need; others take the full-logits path."""
+    return type(w.data) is torch.Tensor
+
+
 def _triton_choice(var: str, x: Tensor) -> bool:
     """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE) picks a region's training
     implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
@@ -531,7 +537,7 @@ class Kernels:
             unfit = None
             if lm_head.bias is not None:
                 unfit = "K3_CE=triton: the fused loss has no lm_head bias"
-            elif type(lm_head.weight.data) is not torch.Tensor:  # e.g. an FSDP-sharded DTensor
+            elif not plain_weight(lm_head.weight):  # e.g. an FSDP-sharded DTensor
                 unfit = (f"K3_CE=triton needs a plain, unsharded lm_head weight, got "
                          f"{type(lm_head.weight.data).__name__}; use K3_CE=inductor")
             if unfit is None:

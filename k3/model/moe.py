@@ -96,18 +96,19 @@ class RoutedExperts(nn.Module):
             xe = xs.split(sizes)
             if not live:
                 y = xs.new_zeros(0, w2.shape[1])
-            elif torch.is_grad_enabled():  # as the GPU path: gate|up packed, the step's weight copies
-                w13, w2c = self._train_weights(w1, w3, w2, xs.dtype)
-                w13s, w2s = w13.unbind(0), w2c.unbind(0)
-                ab = torch.cat([xe[e] @ w13s[e].t() for e in live])
-                he = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin).split([sizes[e] for e in live])
-                y = torch.cat([h @ w2s[e].t() for h, e in zip(he, live)])
             else:
-                w1s, w3s, w2s = w1.unbind(0), w3.unbind(0), w2.unbind(0)
-                a = torch.cat([xe[e] @ w1s[e].t() for e in live])
-                b = torch.cat([xe[e] @ w3s[e].t() for e in live])
-                he = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin).split([sizes[e] for e in live])
-                y = torch.cat([h @ w2s[e].t() for h, e in zip(he, live)])
+                if torch.is_grad_enabled():  # as the GPU path: gate|up packed, the step's weight copies
+                    w13, w2c = self._train_weights(w1, w3, w2, xs.dtype)
+                    w13s = w13.unbind(0)
+                    ab = torch.cat([xe[e] @ w13s[e].t() for e in live])
+                    h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
+                else:
+                    w1s, w3s, w2c = w1.unbind(0), w3.unbind(0), w2
+                    a = torch.cat([xe[e] @ w1s[e].t() for e in live])
+                    b = torch.cat([xe[e] @ w3s[e].t() for e in live])
+                    h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+                w2s = w2c.unbind(0)
+                y = torch.cat([he @ w2s[e].t() for he, e in zip(h.split([sizes[e] for e in live]), live)])
         # back in (token, k) order and summed over k in a fixed order (no atomics): a CUDA graph replay
         # and an eager step give identical bits
         return self.kernels.combine(y, w.float(), order, inv)
