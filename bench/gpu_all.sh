@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -28,6 +28,10 @@ for s in $sections; do
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
+    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (env switches before the call for an A/B)
+      python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum ${STEP_ACCUM:-8} \
+        2>&1 | quiet > "$OUT/step.txt"
+      grep -E "^\|" "$OUT/step.txt" ;;
     serve)
       { python bench/serve.py --which decode,agentic --compile --markdown
         python bench/mla_decode.py; } 2>&1 | quiet > "$OUT/serve.txt"
@@ -110,7 +114,7 @@ for s in $sections; do
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done
