@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step ncuconv
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -59,9 +59,10 @@ for s in $sections; do
       # (KDA_ARGS="--shape 65536,8 --docs 8": k3-small's micro-batch instead of B1 T8192 H96)
       python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} ${KDA_ARGS:-} 2>&1 | quiet > "$OUT/variants.txt"
       grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
-    shortconv)  # fused short conv + SiLU vs the transpose + cuDNN depthwise conv path
-      { python bench/short_conv.py --sweep --tokens 65536
-        python bench/short_conv.py --tokens 65536 --row-width 4232; } 2>&1 | quiet > "$OUT/shortconv.txt"
+    shortconv)  # short conv + SiLU kernels (window, tiles) vs the transpose + cuDNN depthwise conv path, x in
+      # the model's layout (a slice of the 4232-wide fused projection), with the tile sweep; then contiguous x
+      { python bench/short_conv.py --sweep --tokens 65536 --row-width 4232
+        python bench/short_conv.py --tokens 65536; } 2>&1 | quiet > "$OUT/shortconv.txt"
       grep -E "^\||check" "$OUT/shortconv.txt" ;;
     situ)  # SiTU-GLU: Triton kernels vs the Inductor regions vs eager, k3-small's shapes at 64K tokens
       python bench/situ.py --sweep 2>&1 | quiet > "$OUT/situ.txt"
@@ -101,6 +102,19 @@ for s in $sections; do
       grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|^  _kda" \
         "$OUT/ncu_all.txt" | head -80
       grep -E -i "stall|warp cycles per|issued ipc|est. speedup" "$OUT/ncu.txt" | head -40 ;;
+    ncuconv)  # Nsight Compute on the short conv's kernels of one k3-small layer (window: forward, backward;
+      # K3_CONV=tiles NCU_COUNT=3: forward, dz pass, dx/dw pass), x sliced from the fused projection (row width
+      # 4232, as the model) and contiguous (0)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      for rw in ${NCU_ROW_WIDTHS:-4232 0}; do
+        $NCU --clock-control none -k regex:"_conv_|_short_conv" -s ${NCU_COUNT:-2} -c ${NCU_COUNT:-2} --set full \
+          -f -o "$OUT/ncu_conv_$rw" \
+          python bench/ncu_target.py conv --row-width $rw > /dev/null 2>&1
+        $NCU -i "$OUT/ncu_conv_$rw.ncu-rep" --page details > "$OUT/ncuconv_$rw.txt" 2>&1
+        echo "-- row width $rw"
+        grep -E "^  _short|^  _conv|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Achieved Occupancy|Registers Per|Mem Busy|Max Bandwidth|Issue Slots Busy" \
+          "$OUT/ncuconv_$rw.txt" | head -60
+      done ;;
     groupedmm)  # the routed experts' five grouped GEMMs in alternative operand layouts (k3-small, 64K tokens)
       python bench/grouped_mm.py 2>&1 | quiet > "$OUT/groupedmm.txt"
       grep -E "^\||^#" "$OUT/groupedmm.txt" ;;
@@ -114,7 +128,7 @@ for s in $sections; do
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -7,8 +7,8 @@ stages, register cap. Then each distinct launch is compiled ahead of time for cu
 own toolchain (pointer arguments 16-byte aligned, as the JIT specialises them at launch) and the
 cubin's resource usage is read with the cuobjdump shipped in Triton's wheel. Per kernel it prints
 registers per thread, spilled bytes per thread (the cubin's stack frame; the device's `n_spills` is
-this / 4), shared memory, and how many programs fit on one SM (registers: 64K; shared memory: 227 KB; at most
-64 warps and 32 programs).
+this / 4), shared memory, how many programs fit on one SM (registers: 64K; shared memory: 227 KB; at most
+64 warps and 32 programs), and the static SASS instruction count (the loops' bodies are what to compare).
 
 Tiles that launchers pick from row or program counts (e.g. the KDA state scans' value block) follow
 the small calls' counts, not k3-small's 64K-token micro-batch. The numbers depend on the Triton
@@ -19,6 +19,7 @@ and register caps 168 / 128 gave the same registers and spills as the H200 repor
 
 Usage: python bench/kernel_resources.py [--ops kda,shortconv,situ,attnres,moe,ce] [--triton-path /tmp/t36]
        [--env K3_KDA_BK_BWDSPLIT=64,K3_KDA_MAXNREG_BWDSPLIT=168]    # env switches for the recorded run
+       [--sass DIR]                                                 # each kernel's SASS into DIR
 """
 
 from __future__ import annotations
@@ -175,6 +176,24 @@ def resources(kernel) -> dict[str, int]:  # noqa: ANN001 - a triton CompiledKern
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "smem": int(kernel.metadata.shared)}
 
 
+def sass(kernel) -> str:  # noqa: ANN001 - a triton CompiledKernel
+    """The kernel's SASS (cuobjdump -sass of its cubin)."""
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def sass_count(text: str) -> int:
+    """Static SASS instructions (lines "/*0a30*/  OP ..."), NOPs left out."""
+    return sum(1 for line in text.splitlines() if line.lstrip().startswith("/*") and "*/" in line
+               and line.split("*/", 1)[1].strip() and " NOP" not in line)
+
+
 def _key_constexprs(launch: dict) -> str:
     """The launch's compile-time tile parameters (upper-case constexprs) for the table."""
     out = []
@@ -193,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default="kda", help="comma-separated: kda, shortconv, situ, attnres, moe, ce")
     ap.add_argument("--triton-path", default="", help="a folder holding the device's Triton (first on sys.path)")
     ap.add_argument("--env", default="", help="comma-separated NAME=VALUE switches for the recorded run")
+    ap.add_argument("--sass", default="", help="also write each kernel's SASS to this folder")
     ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -218,21 +238,28 @@ def main(argv=None) -> int:
 
     print(f"# Triton kernels on sm_90 (Triton {triton.__version__}, no GPU), ops {args.ops}"
           + (f", env {args.env}" if args.env else ""))
-    print("| kernel | tiles | warps | stages | maxnreg | registers | spilled B / thread | shared KB | programs / SM |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| kernel | tiles | warps | stages | maxnreg | registers | spilled B / thread | shared KB | programs / SM "
+          "| SASS instructions |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     seen = set()
     for launch in json.loads(child.stdout):
         key = json.dumps(launch, sort_keys=True, default=str)
         if key in seen:
             continue
         seen.add(key)
-        r = resources(compile_launch(launch))
+        kernel = compile_launch(launch)
+        r, code = resources(kernel), sass(kernel)
+        if args.sass:
+            os.makedirs(args.sass, exist_ok=True)
+            with open(os.path.join(args.sass, f"{launch['name']}_{len(seen)}.sass"), "w") as f:
+                f.write(code)
         o = launch["options"]
         warps = o.get("num_warps") or 4
         fits = min(REGS_PER_SM // (max(r["regs"], 1) * 32 * warps), SMEM_PER_SM // max(r["smem"], 1),
                    MAX_WARPS_PER_SM // warps, MAX_PROGRAMS_PER_SM)
         print(f"| {launch['name']} | {_key_constexprs(launch)} | {warps} | {o.get('num_stages') or 3} | "
-              f"{o.get('maxnreg') or '-'} | {r['regs']} | {r['stack']} | {r['smem'] / 1024:.0f} | {fits} |", flush=True)
+              f"{o.get('maxnreg') or '-'} | {r['regs']} | {r['stack']} | {r['smem'] / 1024:.0f} | {fits} | "
+              f"{sass_count(code)} |", flush=True)
     return 0
 
 

@@ -5,6 +5,8 @@
 
 Ops: "kda" = chunk_kda forward + backward as the model calls it (gate, qk-L2 norm and beta's sigmoid in
 the kernels) on one 65,536-token micro-batch of 8 documents, 8 heads of 128 (k3-small's KDA layer);
+"conv" = the short conv + SiLU (k3.ops.short_conv) forward + backward of the same layer: x [1, T, 3 x 1024]
+sliced from the fused input projection's [1, T, 4232] output as the model does (--row-width 0: contiguous).
 --reps forward/backward passes (the first compiles, so skip its launches with ncu's -s).
 """
 
@@ -42,17 +44,36 @@ def kda(T: int, H: int, docs: int, reps: int) -> None:
     torch.cuda.synchronize()
 
 
+def conv(T: int, docs: int, reps: int, row_width: int) -> None:
+    from k3.ops.short_conv import short_conv_silu
+
+    dev, bf, SC = torch.device("cuda"), torch.bfloat16, 3 * 1024
+    g = torch.Generator(device=dev).manual_seed(0)
+    wide = torch.randn(1, T, max(row_width, SC), device=dev, generator=g).to(bf)
+    x = wide[..., :SC].requires_grad_()
+    w = (torch.randn(SC, 1, 4, device=dev, generator=g) * 0.5).requires_grad_()
+    cu = torch.linspace(0, T, docs + 1, device=dev).to(torch.int32)
+    do = [torch.randn(1, T, SC // 3, device=dev, generator=g).to(bf) for _ in range(3)]
+    for _ in range(reps):
+        torch.autograd.backward(short_conv_silu(x, w, streams=3, cu_seqlens=cu), do)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("op", choices=["kda"])
+    ap.add_argument("op", choices=["kda", "conv"])
     ap.add_argument("--T", type=int, default=65536)
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--row-width", type=int, default=4232, help="conv: x's row stride (0: contiguous)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/ncu_target.py needs a CUDA device")
-    kda(args.T, args.H, args.docs, args.reps)
+    if args.op == "kda":
+        kda(args.T, args.H, args.docs, args.reps)
+    else:
+        conv(args.T, args.docs, args.reps, args.row_width)
 
 
 if __name__ == "__main__":

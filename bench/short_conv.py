@@ -6,11 +6,10 @@ Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; ba
 dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
---sweep also times the fused, the split and the one-pass backward (env K3_CONV_BWD) with other
-program tiles (env K3_CONV_BWD_{BT,BC,WARPS}, K3_CONV_BWD1_* for the one-pass kernel, read per call
-by k3/ops/short_conv/triton_conv.py) and the split
-backward's dz scratch in fp32 and in x's dtype (env K3_CONV_DZ=fp32 / half; the default for bf16 is
-x's dtype) on the same inputs.
+--sweep also times the sliding-window kernels (the default, env K3_CONV=window) with other program tiles
+(env K3_CONV_{FWDW,BWDW}_{R,BC,WARPS}: strip rows, channels, warps) and the tiled
+kernels (K3_CONV=tiles, env K3_CONV_BWD_{BT,BC,WARPS}) with their split backward's dz scratch in fp32 and
+in x's dtype (env K3_CONV_DZ), all read per call by k3/ops/short_conv/triton_conv.py, on the same inputs.
 
 Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
 """
@@ -61,18 +60,18 @@ def check(streams: int) -> None:
     do = torch.randn_like(ref)
     ref.backward(do)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    for mode, dz in (("split", "fp32"), ("split", "half"), ("onepass", "half")):  # env K3_CONV_BWD / K3_CONV_DZ
-        os.environ.update(K3_CONV_BWD=mode, K3_CONV_DZ=dz)
+    for mode, dz in (("window", "-"), ("tiles", "fp32"), ("tiles", "half")):  # env K3_CONV / K3_CONV_DZ
+        os.environ.update(K3_CONV=mode, K3_CONV_DZ="auto" if dz == "-" else dz)
         x.grad = w.grad = None
         out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
         backward(out, do.to(x.dtype))
         e = (rel(torch.stack(out), ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
-        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} backward, dz {dz}): out {e[0]:.2e}, "
+        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} kernels, dz scratch {dz}): out {e[0]:.2e}, "
               f"dx {e[1]:.2e}, dw {e[2]:.2e}")
         if max(e) > 1e-2:
             raise SystemExit("short conv check FAILED")
     os.environ.pop("K3_CONV_DZ")
-    os.environ.pop("K3_CONV_BWD")
+    os.environ.pop("K3_CONV")
 
 
 def main(argv=None) -> int:
@@ -94,19 +93,24 @@ def main(argv=None) -> int:
     T, SC = args.tokens, args.channels
     width = max(args.row_width, SC)
     full = torch.randn(1, T, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    x = full[..., :SC] if width > SC else full
+    # a leaf of its own (also when sliced), so no slice-backward copy into a wider gradient is timed
+    x = (full[..., :SC] if width > SC else full).detach().requires_grad_()
     w = (torch.randn(SC, 1, 4, device="cuda") * 0.5).requires_grad_()
     cu = torch.linspace(0, T, args.docs + 1, device="cuda").round().to(torch.int32)
     starts = document_starts(cu, T)
     do = torch.randn(args.streams, 1, T, SC // args.streams, device="cuda", dtype=torch.bfloat16)
-    impls = {"k3 triton": lambda: short_conv_silu(x, w, streams=args.streams, starts=starts),
-             "torch cudnn": lambda: torch_path(x, w, args.streams)}
+    impls = {"k3 window (default)": (lambda: short_conv_silu(x, w, streams=args.streams, starts=starts), {}),
+             "k3 tiles": (lambda: short_conv_silu(x, w, streams=args.streams, starts=starts), {"K3_CONV": "tiles"}),
+             "torch cudnn": (lambda: torch_path(x, w, args.streams), {})}
     nbytes = T * SC * 2 * 2  # read x, write out (bf16); the backward reads x and dout, writes dx: 1.5x
     res = {}
-    for name, fn in impls.items():
+    for name, (fn, env) in impls.items():
+        os.environ.update(env)
         fwd = do_bench(fn, warmup=25, rep=100)
-        both = do_bench(lambda fn=fn: backward(fn(), do), warmup=25, rep=100, grad_to_none=[full, w])
+        both = do_bench(lambda fn=fn: backward(fn(), do), warmup=25, rep=100, grad_to_none=[x, w])
         res[name] = (fwd, both)
+        for k in env:
+            os.environ.pop(k)
     layout = f"rows of a {width}-wide tensor" if width > SC else "contiguous"
     print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16 ({layout}), {args.docs} documents, "
           f"{torch.cuda.get_device_name()}")
@@ -118,36 +122,48 @@ def main(argv=None) -> int:
         print(f"| {name} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | {gb:,.0f} | "
               f"{gb * 1e9 / HBM:.2f} | {base / both:.2f} |")
     if args.sweep:
-        sweep(impls["k3 triton"], full, w, do, nbytes)
+        sweep(impls["k3 window (default)"][0], x, w, do, nbytes)
     return 0
 
 
-def sweep(fn, x, w, do, nbytes: int) -> None:
-    """fwd+bwd of k3's kernels for backward tiles (BT rows, BC channels, warps); the forward stays."""
+def _timed(env: dict, fn) -> str:
+    """fn() in ms under the env settings `env` (restored afterwards); a tile that fails is reported."""
     from triton.testing import do_bench
 
-    print("\n| bwd | dz | bwd BT | bwd BC | warps | fwd+bwd ms | GB/s |\n|---|---|---:|---:|---:|---:|---:|")
-    tiles = [("fused", "-", 32, 128, 4), ("fused", "-", 32, 64, 4), ("fused", "-", 128, 64, 8)]
-    tiles += [("split", "fp32", bt, bc, wp) for bt, bc, wp in [(32, 128, 4), (16, 128, 4), (64, 128, 4), (64, 128, 8),
-                                                                 (32, 64, 4), (32, 256, 4), (16, 256, 4), (64, 64, 4)]]
-    # the dz scratch in x's dtype (env K3_CONV_DZ=half, the bf16 default): half its bytes
-    tiles += [("split", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 4), (32, 128, 4), (64, 64, 4), (64, 256, 4)]]
-    # one pass: dz of a block and its halo in registers, shifted by exact selection dots (untimed so far)
-    tiles += [("onepass", "half", bt, bc, wp) for bt, bc, wp in [(64, 128, 8), (64, 128, 4), (32, 128, 4), (64, 64, 4),
-                                                                   (128, 64, 8), (32, 256, 8)]]
-    for mode, dz, bt, bc, warps in tiles:
-        knob = "K3_CONV_BWD1" if mode == "onepass" else "K3_CONV_BWD"
-        env = {"K3_CONV_BWD": mode, "K3_CONV_DZ": "fp32" if dz == "-" else dz, f"{knob}_BT": str(bt),
-               f"{knob}_BC": str(bc), f"{knob}_WARPS": str(warps)}
-        os.environ.update(env)
-        try:
-            ms = do_bench(lambda: backward(fn(), do), warmup=25, rep=100, grad_to_none=[x, w])
-            print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {ms:.3f} | {2.5 * nbytes / ms / 1e6:,.0f} |", flush=True)
-        except Exception as ex:  # a tile that does not compile: report and go on
-            print(f"| {mode} | {dz} | {bt} | {bc} | {warps} | {type(ex).__name__}: {str(ex)[:80]} | |", flush=True)
-        finally:
-            for k in env:
-                os.environ.pop(k)
+    os.environ.update(env)
+    try:
+        return f"{do_bench(fn, warmup=25, rep=100):.3f}"
+    except Exception as ex:  # a tile that does not compile: report and go on
+        return f"{type(ex).__name__}: {str(ex)[:80]}"
+    finally:
+        for k in env:
+            os.environ.pop(k)
+
+
+def sweep(fn, x, w, do, nbytes: int) -> None:
+    """The window kernels' forward tiles (forward ms) and backward tiles (fwd+bwd ms, default forward), then
+    the tiled kernels' backward tiles and dz scratch (fwd+bwd ms, tiled forward)."""
+    def both():
+        x.grad = w.grad = None
+        backward(fn(), do)
+
+    print("\n| kernels | pass | R / BT | BC | warps | dz | ms | GB/s |\n|---|---|---:|---:|---:|---|---:|---:|")
+    row = "| {} | {} | {} | {} | {} | {} | {} | {} |"
+    for r, bc, wp in [(64, 512, 4), (32, 512, 4), (128, 512, 4), (256, 512, 4), (64, 1024, 4), (64, 1024, 8),
+                      (64, 256, 2), (64, 256, 1), (128, 256, 2), (64, 512, 8), (64, 128, 1)]:
+        ms = _timed({"K3_CONV_FWDW_R": str(r), "K3_CONV_FWDW_BC": str(bc), "K3_CONV_FWDW_WARPS": str(wp)}, fn)
+        gbs = f"{nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
+        print(row.format("window", "fwd", r, bc, wp, "-", ms, gbs), flush=True)
+    for r, bc, wp in [(128, 512, 4), (64, 512, 4), (256, 512, 4), (512, 512, 4), (128, 1024, 4), (128, 1024, 8),
+                      (128, 256, 2), (128, 256, 1), (256, 256, 2), (128, 512, 8), (128, 128, 1), (64, 256, 2)]:
+        ms = _timed({"K3_CONV_BWDW_R": str(r), "K3_CONV_BWDW_BC": str(bc), "K3_CONV_BWDW_WARPS": str(wp)}, both)
+        gbs = f"{2.5 * nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
+        print(row.format("window", "fwd+bwd", r, bc, wp, "-", ms, gbs), flush=True)
+    for dz, (bt, bc, wp) in [("half", (64, 128, 4)), ("fp32", (64, 128, 4)), ("half", (32, 128, 4)), ("half", (64, 64, 4))]:
+        ms = _timed({"K3_CONV": "tiles", "K3_CONV_DZ": dz, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
+                     "K3_CONV_BWD_WARPS": str(wp)}, both)
+        gbs = f"{2.5 * nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
+        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, ms, gbs), flush=True)
 
 
 if __name__ == "__main__":

@@ -57,14 +57,18 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-@pytest.fixture(params=["fused", "split-fp32", "split-half", "onepass-fp32", "onepass-half"])
+@pytest.fixture(params=["window", "window-small", "tiles-fp32", "tiles-half"])
 def bwd(request, monkeypatch):
-    """The backward kernels: fused, split (a dz scratch, then dx / dw) and onepass (dz of a block and its
-    halo in registers, shifted by selection dots), with dz in fp32 or in x's dtype (K3_CONV_DZ; the
-    default "auto" is one of the two, see test_dz_dtype)."""
+    """The kernels (env K3_CONV): the sliding-window ones (default tiles, and 8-row strips, so every test
+    crosses many strips) and the tiled ones, whose split backward keeps dz in fp32 or in x's
+    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype)."""
     mode, dz = (request.param.split("-") + ["fp32"])[:2]
-    monkeypatch.setenv("K3_CONV_BWD", mode)
-    monkeypatch.setenv("K3_CONV_DZ", dz)
+    monkeypatch.setenv("K3_CONV", mode)
+    if dz == "small":
+        for d in ("FWDW", "BWDW"):
+            monkeypatch.setenv(f"K3_CONV_{d}_R", "8")
+    else:
+        monkeypatch.setenv("K3_CONV_DZ", dz)
     return request.param
 
 
@@ -79,10 +83,11 @@ def test_packed_documents_with_short_ones(bwd):
     _check(1, 45, 3, 16, 4, torch.float32, cu=[0, 1, 3, 20, 38, 45])
 
 
-@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("W", [2, 3, 4, 5])
 def test_backward_block_edges(W, bwd):
     # several 32-row blocks (the backward reads output rows across block edges), documents starting just
-    # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents
+    # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents; the
+    # window kernels take W <= 4 (W 2, 3 zero-padded), W 5 runs the tiled ones whatever K3_CONV says
     _check(1, 150, 3, 48, W, torch.float32, cu=[0, 1, 3, 63, 66, 128, 129, 150])
     _check(2, 131, 3, 48, W, torch.float32)
 
@@ -93,8 +98,8 @@ def test_backward_block_edges(W, bwd):
 def test_streams_straddle_channel_blocks(S, dtype, bc, bwd, monkeypatch):
     """C = 12: a channel block of 128 holds all streams, blocks of 16 straddle two; the kernels pick each
     column's stream tensor (outputs, stream gradients), with packed documents and a sliced x."""
-    monkeypatch.setenv("K3_CONV_FWD_BC", str(bc))
-    monkeypatch.setenv("K3_CONV_BWD_BC", str(bc))
+    for d in ("FWD", "BWD", "FWDW", "BWDW"):
+        monkeypatch.setenv(f"K3_CONV_{d}_BC", str(bc))
     _check(1, 70, S, 12, 4, dtype, cu=[0, 5, 6, 40, 70], sliced=True)
 
 
@@ -103,6 +108,7 @@ def test_unused_stream_output(unused, bwd, monkeypatch):
     """A stream's output left out of the loss (its gradient reaches the backward as None) counts as a
     zero gradient; across channel blocks that straddle streams."""
     monkeypatch.setenv("K3_CONV_BWD_BC", "16")
+    monkeypatch.setenv("K3_CONV_BWDW_BC", "16")
     _check(1, 45, 3, 12, 4, torch.float32, cu=[0, 1, 3, 20, 45], unused=unused)
     _check(1, 45, 3, 12, 4, torch.bfloat16, cu=[0, 1, 3, 20, 45], unused=unused, sliced=True)
 
@@ -150,18 +156,25 @@ def test_dz_dtype(monkeypatch):
 
 def test_tile_knobs(monkeypatch):
     # other program tiles (bench/short_conv.py --sweep) give the same results; bad values raise
-    for k, v in (("FWD_BT", "64"), ("FWD_BC", "16"), ("BWD_BT", "16"), ("BWD_BC", "32"), ("BWD_WARPS", "2")):
+    for k, v in (("FWD_BT", "64"), ("FWD_BC", "16"), ("BWD_BT", "16"), ("BWD_BC", "32"), ("BWD_WARPS", "2"),
+                 ("FWDW_R", "16"), ("FWDW_BC", "16"), ("BWDW_R", "4"), ("BWDW_BC", "32"), ("BWDW_WARPS", "2")):
         monkeypatch.setenv(f"K3_CONV_{k}", v)
-    _check(1, 70, 3, 16, 4, torch.float32, cu=[0, 17, 70])
+    for mode in ("window", "tiles"):
+        monkeypatch.setenv("K3_CONV", mode)
+        _check(1, 70, 3, 16, 4, torch.float32, cu=[0, 17, 70])
+    x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
     monkeypatch.setenv("K3_CONV_FWD_BT", "24")
     with pytest.raises(ValueError, match="power of two"):
-        short_conv_silu(torch.randn(1, 8, 12, device=DEV), torch.randn(12, 1, 4, device=DEV))
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
     monkeypatch.setenv("K3_CONV_FWD_BT", "32")
-    monkeypatch.setenv("K3_CONV_BWD", "fast")
-    x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
-    with pytest.raises(ValueError, match="K3_CONV_BWD must be"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
-    monkeypatch.setenv("K3_CONV_BWD", "split")
+    monkeypatch.setenv("K3_CONV", "window")
+    monkeypatch.setenv("K3_CONV_FWDW_R", "2")
+    with pytest.raises(ValueError, match="4 rows at a time"):
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
+    monkeypatch.setenv("K3_CONV", "fast")
+    with pytest.raises(ValueError, match="K3_CONV must be"):
+        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
+    monkeypatch.setenv("K3_CONV", "tiles")
     monkeypatch.setenv("K3_CONV_DZ", "bf16")
     with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
         short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
@@ -223,33 +236,30 @@ def test_gpu_large_bf16(bwd):
     _check(1, 4096, 3, 1024, 4, torch.bfloat16, cu=[0, 1000, 1001, 3000, 4096], sliced=True, pad=1160, at=0)
 
 
-@pytest.mark.parametrize("dtype,dz", [(torch.bfloat16, "half"), (torch.float32, "fp32")])
-def test_onepass_equals_split(dtype, dz, monkeypatch):
-    """The one-pass backward rounds dz where the split path stores it and shifts it exactly, so dx and dw
-    are the split path's bit for bit (same 64-row blocks); packed documents, a sliced x, a stream
-    whose output is unused, 64-row block edges with documents crossing them."""
+def test_window_keeps_dz_in_fp32(monkeypatch):
+    """The window backward never stores dz, so with bf16 inputs its dx and dw are at least as close to float64
+    as the tiled backward's with the bf16 dz scratch (its default); the forwards agree to a bf16 ulp.
+    Packed documents, a sliced x, a stream whose output is unused, strips and blocks crossing documents."""
     torch.manual_seed(1)
     B, T, S, C, W = 1, 150, 3, 40, 4
-    full = torch.randn(B, T, S * C + 7, device=DEV, dtype=dtype)
+    full = torch.randn(B, T, S * C + 7, device=DEV, dtype=torch.bfloat16)
     x = full[..., 2:2 + S * C]
     w = torch.randn(S * C, 1, W, device=DEV) * 0.5
     cu = torch.tensor([0, 2, 63, 66, 129, 150], device=DEV, dtype=torch.int32)
-    dos = [torch.randn(B, T, C, device=DEV, dtype=dtype) for _ in range(S)]
-    monkeypatch.setenv("K3_CONV_DZ", dz)
-    grads = {}
-    for mode in ("split", "onepass"):
-        monkeypatch.setenv("K3_CONV_BWD", mode)
+    dos = [torch.randn(B, T, C, device=DEV, dtype=torch.bfloat16) for _ in range(S)]
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = short_conv_silu_reference(xr, wr, cu).reshape(B, T, S, C)
+    torch.autograd.backward([ref[:, :, 0], ref[:, :, 2]], [dos[0].double(), dos[2].double()])
+    monkeypatch.setenv("K3_CONV_DZ", "half")
+    monkeypatch.setenv("K3_CONV_FWDW_R", "16")
+    monkeypatch.setenv("K3_CONV_BWDW_R", "32")
+    res = {}
+    for mode in ("tiles", "window"):
+        monkeypatch.setenv("K3_CONV", mode)
         xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
         outs = short_conv_silu(xl, wl, streams=S, cu_seqlens=cu)
         torch.autograd.backward([outs[0], outs[2]], [dos[0], dos[2]])  # stream 1 unused
-        grads[mode] = (xl.grad, wl.grad)
-    assert torch.equal(grads["split"][0], grads["onepass"][0])
-    assert torch.equal(grads["split"][1], grads["onepass"][1])
-
-
-def test_onepass_rejects_tiles_below_the_dots(monkeypatch):
-    monkeypatch.setenv("K3_CONV_BWD", "onepass")
-    monkeypatch.setenv("K3_CONV_BWD1_BT", "8")
-    x = torch.randn(1, 20, 12, device=DEV, requires_grad=True)
-    with pytest.raises(ValueError, match="onepass"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
+        res[mode] = (torch.stack(outs).float(), _rel(xl.grad, xr.grad), _rel(wl.grad, wr.grad))
+    ulp = res["tiles"][0].abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+    assert ((res["window"][0] - res["tiles"][0]).abs() <= ulp).all()
+    assert res["window"][1] <= res["tiles"][1] and res["window"][2] <= res["tiles"][2] * 1.05

@@ -1,18 +1,22 @@
 """KDA's short convolution (depthwise causal conv + SiLU) as Triton kernels, forward and backward.
 
-Memory-bound: the forward (one launch) reads x once per tap (the W shifted tiles hit in cache) and
-writes SiLU(y) straight into S separate [B, T, C] tensors (q, k, v: the layout the KDA kernel takes);
-the backward reads the S stream gradients through S pointers as well, so autograd never stacks them
-into one [S, B, T, C] tensor (a full-size copy per layer). The fused backward (one launch) recomputes
-y of the W output rows each input row feeds (no saved activations besides x), writes dx and
-per-block partial sums of dw (summed afterwards in a fixed order: deterministic).
-The default split backward computes dz = dL/d(conv output) once per row into a scratch (x's dtype
-for bf16/fp16 x, else fp32: env K3_CONV_DZ), then dx and dw from shifted reads of it: W + 1 tile
-loads per row instead of W * (W + 1) (1.5x faster than the fused one, env K3_CONV_BWD=fused, on the
-H200).
-Replaces a transpose + fp32 cuDNN depthwise conv1d + document-edge fix-up + SiLU epilogue, whose
-depthwise kernels alone took ~1.3 ms per KDA layer forward+backward at 16K tokens x 3072 channels
-on an H200.  Packed documents: row t only sees inputs s >= starts[t] (its document's first row).
+Memory-bound, so the kernels are built around bytes. The default ("window", env K3_CONV) walks each
+program's strip of rows in order, one [BLOCK_C] row vector at a time, and keeps the last W-1 rows in
+registers (a sliding window, W <= 4): every input row is read once (plus 3 halo rows per strip) and
+no tile is re-read shifted. Forward: x in, SiLU(y) out, straight into S separate [B, T, C] tensors (q,
+k, v: the layout the KDA kernel takes). Backward, one pass: dz = dL/d(conv output) of row t is formed
+from x's window and the stream gradient and immediately scattered into fp32 accumulators of dx rows
+t-3..t (row t-3 is then complete and stored) and of dw (registers; one [W, BLOCK_C] partial per
+strip, summed afterwards in a fixed order: deterministic). Bytes: read x and the stream gradients,
+write dx -- against the tiled kernels' extra dz scratch round trip and W shifted tile reads (H200,
+Nsight Compute, k3-small's layer: forward 0.33 ms, dz pass 0.49, dx/dw pass 0.83 at 65,536 x 3,072).
+The backward reads the S stream gradients through S pointers, so autograd never stacks them.
+
+The tiled kernels ("tiles": [BT, BC] blocks, the W shifted tiles re-read from cache; backward = a dz
+scratch pass, then dx and dw) remain for W > 4 and as the measured alternative.
+Replaces a transpose + fp32 cuDNN depthwise conv1d + document-edge fix-up + SiLU epilogue (~16 ms
+forward+backward per KDA layer at 65K tokens x 3072 channels on an H200). Packed documents: row t only
+sees inputs s >= starts[t] (its document's first row).
 """
 
 from __future__ import annotations
@@ -23,14 +27,24 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import INTERPRETED, cvt, env_tile
+from k3.ops.triton_utils import cvt, env_tile
 
-# (rows, channels, warps) per program. Backward: the split kernels with 64-row blocks measured fastest
-# (H200, 65,536 tokens x 3,072 channels bf16, fwd+bwd: split 64/128/4 1.88 ms, split 32/128/4 2.26 ms,
-# fused 32/128/4 2.86 ms; bench/short_conv.py --sweep; split 64/128/4 with the dz scratch in bf16:
-# 1.59 ms, now the default).
-# BWD1 (onepass, opt-in): its fastest tile in the same sweep, 64/128/4 2.12 ms (64/128/8: 3.64 ms).
-TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4), "BWD1": (64, 128, 4)}
+# Program tiles. "window" kernels: (strip rows, channels, warps); "tiles" kernels:
+# (rows, channels, warps) -- their backward's 64-row blocks measured fastest (H200, 65,536 tokens x 3,072
+# channels bf16, fwd+bwd: split 64/128/4 1.88 ms, 32/128/4 2.26 ms; with the dz scratch in bf16 1.59 ms;
+# the former fused (2.86 ms) and one-pass (2.12 ms) backwards were slower and are gone).
+WINDOW = {"FWDW": (64, 512, 4), "BWDW": (128, 512, 4)}
+TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4)}
+MAX_WINDOW = 4  # the window kernels' taps (KDA's W is 4; a smaller W is zero-padded on the left)
+
+
+def _window_tiles(direction: str) -> tuple[int, ...]:
+    """(strip rows, channels, warps) of the window kernels; env K3_CONV_{FWDW,BWDW}_{R,BC,WARPS} override
+    (read per call: bench/short_conv.py --sweep). The kernels step 4 rows at a time: R >= 4."""
+    r, bc, warps = env_tile(f"K3_CONV_{direction}", ("R", "BC", "WARPS"), WINDOW[direction])
+    if r < 4:
+        raise ValueError(f"K3_CONV_{direction}_R: the window kernels step 4 rows at a time, got {r}")
+    return r, bc, warps
 
 
 def _tiles(direction: str) -> tuple[int, ...]:
@@ -41,7 +55,8 @@ def _tiles(direction: str) -> tuple[int, ...]:
 
 @triton.jit
 def _sigmoid(y):
-    return 1.0 / (1.0 + tl.exp(-y))
+    # the approximate division (2 ulp): the IEEE one is ~8 instructions per element in these streaming loops
+    return tl.fdiv(tl.full(y.shape, 1.0, tl.float32), 1.0 + tl.exp(-y), ieee_rounding=False)
 
 
 @triton.jit
@@ -139,34 +154,23 @@ def _short_conv_fwd(x, w, starts, y0, y1, y2, y3, dz, B, T, sxb_v, sxt_v,
 
 
 @triton.jit
-def _short_conv_bwd(x, w, starts, d0, d1, d2, d3, dz, dx, dw_part, B, T, sxb_v, sxt_v,
-                    SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr, W: tl.constexpr,
-                    HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's document, and this block's dw partials.
-    SPLIT: dz [B, T, SC] comes from the DZ pass of _short_conv_fwd; else each dz[s+e] is recomputed from x
-    and the stream gradients d0..d{S-1} [B, T, C] (y of W output rows per input row: no scratch, W times
-    the conv work; bit s of LIVE clear: stream s's gradient is None, zeros)."""
+def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
+                    SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr, VB: tl.constexpr,
+                    VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The tiled backward's second pass: dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's
+    document, from dz [B, T, SC] of the DZ pass of _short_conv_fwd, and this block's dw partials."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_s, m_c = o_s < T, o_c < SC
     xb = x + i_b.to(tl.int64) * sxb_v * VB
-    cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
-    dob = cols[None, :] + i_b.to(tl.int64) * T * C
     dzb = dz + i_b.to(tl.int64) * T * SC + o_c[None, :]
     dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for e in tl.static_range(W):
         t = o_s + e
         m_out = _reads(starts, o_s, e, m_s, T, HAS_STARTS)
-        m = m_out[:, None] & m_c[None, :]
-        if SPLIT:
-            d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m, other=0.0).to(tl.float32)
-        else:
-            y = _conv_rows(w, starts, xb, t, m_out, o_c, m_c, sxt, W, HAS_STARTS)
-            dy = tl.load(dob + t.to(tl.int64)[:, None] * C, mask=m & live[None, :], other=0.0).to(tl.float32)
-            d = _silu_grad(dy, y)
+        d = tl.load(dzb + t.to(tl.int64)[:, None] * SC, mask=m_out[:, None] & m_c[None, :], other=0.0).to(tl.float32)
         dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
         if e == 0:
             _dw_partials(dw_part, xb, starts, d, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
@@ -176,76 +180,184 @@ def _short_conv_bwd(x, w, starts, d0, d1, d2, d3, dz, dx, dw_part, B, T, sxb_v, 
 
 
 @triton.jit
-def _shift_rows(S, d, HALF: tl.constexpr):
-    """S @ d for a 0/1 selection matrix S (at most one 1 per row): row r of d moved to where S puts it.
-    Exact: each output is one product by 1 (16-bit d: its own MMA, fp32 accumulation; fp32 d: an
-    "ieee" dot, as tf32 would round it). The interpreter's 16-bit dots are wrong (Triton 3.9 on CPU
-    tensors), so there the 16-bit values go through the fp32 dot: the same exact result."""
-    if HALF and not INTERPRETED:
-        return tl.dot(S.to(d.dtype), d)
-    elif HALF:
-        return tl.dot(S.to(tl.float32), d.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(S.to(tl.float32), d, input_precision="ieee")
+def _row_mask(m_c, t, end, begin=0):
+    """m_c [BLOCK_C] and begin <= row t < end. (The row test is made a vector like m_c: the interpreter
+    cannot combine a scalar mask with a vector one; compiled, it stays one uniform test.)"""
+    tv = tl.zeros_like(m_c.to(tl.int32)) + t
+    return m_c & (tv >= begin) & (tv < end)
 
 
 @triton.jit
-def _short_conv_bwd1(x, w, starts, d0, d1, d2, d3, dx, dw_part, B, T, sxb_v, sxt_v,
-                     SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr, W: tl.constexpr,
-                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, HALF_DZ: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HALO: tl.constexpr):
-    """The one-pass backward: dz = dL/d(conv output) of this block's rows and of the W-1 rows after it
-    (the halo, recomputed), rounded to x's dtype with HALF_DZ (else fp32) as the split path's scratch
-    is (`_dz_dtype`), kept in registers; dw partials from it; dx[s] = sum_e w[W-1-e] dz[s+e] with the row shift by e done as
-    an exact selection dot (registers cannot be shifted), so x and the stream gradients are read once
-    and only dx is written: no dz scratch round trip, one launch."""
+def _clip_window(a, b, c, t, st):
+    """Rows t-3, t-2, t-1 of a window, each zeroed unless it lies in row t's document (first row st).
+    Zeroing x's window at a document's first rows is exact for all later rows too: they shift out."""
+    return tl.where(t - 3 >= st, a, 0.0), tl.where(t - 2 >= st, b, 0.0), tl.where(t - 1 >= st, c, 0.0)
+
+
+@triton.jit
+def _first_row(starts, t, T, HAS_STARTS: tl.constexpr):
+    """The first row of row t's document (0 without documents); rows past T read the last row's."""
+    if HAS_STARTS:
+        return tl.load(starts + tl.minimum(t, T - 1))
+    else:
+        return 0
+
+
+@triton.jit
+def _rows4(ptr, t, stride, end, mask):
+    """Rows t..t+3 of a [rows, BLOCK_C] operand (row stride `stride`) in its own dtype, rows >= end (and < 0)
+    reading as zeros. All four loads are issued together, ahead of the stores of the rows before them:
+    the compiler may not move a load past a store that could alias it, and one row's loads alone do
+    not keep enough bytes in flight."""
+    a = tl.load(ptr + t.to(tl.int64) * stride, mask=_row_mask(mask, t, end), other=0.0)
+    b = tl.load(ptr + (t + 1).to(tl.int64) * stride, mask=_row_mask(mask, t + 1, end), other=0.0)
+    c = tl.load(ptr + (t + 2).to(tl.int64) * stride, mask=_row_mask(mask, t + 2, end), other=0.0)
+    d = tl.load(ptr + (t + 3).to(tl.int64) * stride, mask=_row_mask(mask, t + 3, end), other=0.0)
+    return a, b, c, d
+
+
+@triton.jit
+def _fwd_row(t, xt, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C: tl.constexpr, m_c, HAS_STARTS: tl.constexpr):
+    """Output row t from the window xa, xm, xz (rows t-3..t-1, fp32) and xt: SiLU(y) stored; returns the
+    next window."""
+    xt = xt.to(tl.float32)
+    st = _first_row(starts, t, T, HAS_STARTS)
+    if t - 3 < st:  # t is among its document's first 3 rows: zero the window rows before it
+        xa, xm, xz = _clip_window(xa, xm, xz, t, st)
+    y = w0 * xa + w1 * xm + w2 * xz + w3 * xt
+    tl.store(yb + t.to(tl.int64) * C, (y * _sigmoid(y)).to(yb.dtype.element_ty), mask=_row_mask(m_c, t, T))
+    return xm, xz, xt
+
+
+@triton.jit
+def _conv_fwd_window(x, w4, starts, y0, y1, y2, y3, T, sxb_v, sxt_v,
+                     SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
+                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
+                     R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """y0..y{S-1} [B, T, C] = SiLU(sum_j w4[c, j] x[t-3+j, c] over taps in t's document) for this program's
+    rows [i_t*R, (i_t+1)*R) and channels, walking the rows in order, 4 per step (the next 4 loaded while
+    these are computed), with x[t-3..t-1] kept in registers. w4 [SC, 4] fp32 (tap 3 = the current row)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT
-    t0 = i_t * BLOCK_T
-    r = tl.arange(0, BLOCK_T)
-    h = tl.arange(0, HALO)
-    o_s = t0 + r
-    o_h = t0 + BLOCK_T + h
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_s, m_c = o_s < T, o_c < SC
-    m_h = (h < W - 1) & (o_h < T)
-    xb = x + i_b.to(tl.int64) * sxb_v * VB
+    m_c = o_c < SC
+    xb = x + i_b.to(tl.int64) * sxb_v * VB + o_c
+    cols, live = _stream_cols(y0, y1, y2, y3, o_c, C, S, LIVE)
+    yb = cols + i_b.to(tl.int64) * T * C
+    w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
+    w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
+    w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
+    w3 = tl.load(w4 + o_c * 4 + 3, mask=m_c, other=0.0)
+    r0 = i_t * R
+    end = tl.minimum(r0 + R, T)
+    _, xa, xm, xz = _rows4(xb, r0 - 4, sxt, end, m_c)  # the window: rows r0-3, r0-2, r0-1
+    xa, xm, xz = xa.to(tl.float32), xm.to(tl.float32), xz.to(tl.float32)
+    n0, n1, n2, n3 = _rows4(xb, r0, sxt, end, m_c)
+    for step in range(R // 4):
+        t = r0 + step * 4
+        c0, c1, c2, c3 = n0, n1, n2, n3
+        n0, n1, n2, n3 = _rows4(xb, t + 4, sxt, end, m_c)
+        xa, xm, xz = _fwd_row(t, c0, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C, m_c, HAS_STARTS)
+        xa, xm, xz = _fwd_row(t + 1, c1, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C, m_c, HAS_STARTS)
+        xa, xm, xz = _fwd_row(t + 2, c2, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C, m_c, HAS_STARTS)
+        xa, xm, xz = _fwd_row(t + 3, c3, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C, m_c, HAS_STARTS)
+
+
+@triton.jit
+def _bwd_row(t, xt, dy, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb,
+             SC: tl.constexpr, r0, R: tl.constexpr, m_c, HAS_STARTS: tl.constexpr):
+    """Row t of the backward: y from the window and xt, dz = dy * SiLU'(y); tap j's share w_j dz goes to
+    the dx accumulator of row t-3+j (ga, gm, gz: rows t-3..t-1) unless that row lies in an earlier
+    document; row t-3 is then complete and stored (when it is the strip's); dw_j += dz x[t-3+j] for the
+    strip's own rows. Returns the next window, accumulators and dw."""
+    xt = xt.to(tl.float32)
+    st = _first_row(starts, t, T, HAS_STARTS)
+    if t - 3 < st:  # t is among its document's first 3 rows: zero the window rows before it
+        xa, xm, xz = _clip_window(xa, xm, xz, t, st)
+    dz = _silu_grad(dy.to(tl.float32), w0 * xa + w1 * xm + w2 * xz + w3 * xt)  # 0 past T (dy = 0 there)
+    s0 = w0 * dz
+    s1 = w1 * dz
+    s2 = w2 * dz
+    if t - 3 < st:
+        s0, s1, s2 = _clip_window(s0, s1, s2, t, st)
+    tl.store(dxb + (t - 3).to(tl.int64) * SC, (ga + s0).to(dxb.dtype.element_ty),
+             mask=_row_mask(m_c, t - 3, tl.minimum(r0 + R, T), r0))
+    if t < r0 + R:  # the strip's own rows' dw (the 3 after it are the next strip's)
+        dw0 += dz * xa
+        dw1 += dz * xm
+        dw2 += dz * xz
+        dw3 += dz * xt
+    return xm, xz, xt, gm + s1, gz + s2, w3 * dz, dw0, dw1, dw2, dw3
+
+
+@triton.jit
+def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v,
+                     SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
+                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
+                     R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One pass over this program's rows [r0, r0+R) and the 3 after them (whose dz reach its last dx rows),
+    4 rows per step (the next 4 rows of x and of the stream gradients d0..d{S-1} [B, T, C] loaded while
+    these are computed; bit s of LIVE clear: stream s's gradient is None, zeros): see `_bwd_row`. The
+    strip's dw partials are stored as dw_part[program, j, c] at the end."""
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sxt = sxt_v * VT
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < SC
+    xb = x + i_b.to(tl.int64) * sxb_v * VB + o_c
     cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
-    dob = cols[None, :] + i_b.to(tl.int64) * T * C
-    # dz of the block's rows and of the halo rows, rounded like the split path's scratch
-    y = _conv_rows(w, starts, xb, o_s, m_s, o_c, m_c, sxt, W, HAS_STARTS)
-    dy = tl.load(dob + o_s.to(tl.int64)[:, None] * C, mask=m_s[:, None] & (m_c & live)[None, :], other=0.0)
-    dz = _silu_grad(dy.to(tl.float32), y)
-    yh = _conv_rows(w, starts, xb, o_h, m_h, o_c, m_c, sxt, W, HAS_STARTS)
-    dyh = tl.load(dob + o_h.to(tl.int64)[:, None] * C, mask=m_h[:, None] & (m_c & live)[None, :], other=0.0)
-    dzh = _silu_grad(dyh.to(tl.float32), yh)
-    if HALF_DZ:
-        dz = cvt(dz, x.dtype.element_ty)
-        dzh = cvt(dzh, x.dtype.element_ty)
-    _dw_partials(dw_part, xb, starts, dz.to(tl.float32), o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
-                 SC, W, HAS_STARTS)
-    dxs = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for e in tl.static_range(W):
-        m_out = _reads(starts, o_s, e, m_s, T, HAS_STARTS)
-        d = _shift_rows(r[:, None] + e == r[None, :], dz, HALF_DZ) \
-            + _shift_rows(r[:, None] + e == BLOCK_T + h[None, :], dzh, HALF_DZ)
-        d = tl.where(m_out[:, None], d, 0.0)
-        dxs += d * tl.load(w + o_c * W + (W - 1 - e), mask=m_c, other=0.0)[None, :]
-    tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
-             dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
+    db = cols + i_b.to(tl.int64) * T * C
+    dxb = dx + i_b.to(tl.int64) * T * SC + o_c
+    w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
+    w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
+    w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
+    w3 = tl.load(w4 + o_c * 4 + 3, mask=m_c, other=0.0)
+    r0 = i_t * R
+    end = tl.minimum(r0 + R + 3, T)  # the last row whose dz this strip needs, + 1
+    _, xa, xm, xz = _rows4(xb, r0 - 4, sxt, end, m_c)
+    xa, xm, xz = xa.to(tl.float32), xm.to(tl.float32), xz.to(tl.float32)
+    ga = tl.zeros([BLOCK_C], dtype=tl.float32)  # dx accumulators of rows t-3, t-2, t-1
+    gm = tl.zeros([BLOCK_C], dtype=tl.float32)
+    gz = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    n0, n1, n2, n3 = _rows4(xb, r0, sxt, end, m_c)
+    e0, e1, e2, e3 = _rows4(db, r0, C, end, m_c & live)
+    for step in range((R + 3 + 3) // 4):
+        t = r0 + step * 4
+        c0, c1, c2, c3, f0, f1, f2, f3 = n0, n1, n2, n3, e0, e1, e2, e3
+        n0, n1, n2, n3 = _rows4(xb, t + 4, sxt, end, m_c)
+        e0, e1, e2, e3 = _rows4(db, t + 4, C, end, m_c & live)
+        xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
+            t, c0, f0, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R, m_c,
+            HAS_STARTS)
+        xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
+            t + 1, c1, f1, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            m_c, HAS_STARTS)
+        xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
+            t + 2, c2, f2, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            m_c, HAS_STARTS)
+        xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
+            t + 3, c3, f3, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            m_c, HAS_STARTS)
+    part = dw_part + ((i_b * tl.num_programs(0) + i_t).to(tl.int64) * 4) * SC + o_c
+    tl.store(part, dw0, mask=m_c)
+    tl.store(part + SC, dw1, mask=m_c)
+    tl.store(part + 2 * SC, dw2, mask=m_c)
+    tl.store(part + 3 * SC, dw3, mask=m_c)
 
 
-def _bwd_mode() -> str:
-    """Env K3_CONV_BWD: "split" (default), "fused" or "onepass" (`_short_conv_bwd1`: about half the split
-    path's bytes, yet 2.12 vs 1.59 ms fwd+bwd on an H200 at k3-small's shape, so not the default)."""
-    mode = os.environ.get("K3_CONV_BWD", "split")
-    if mode not in ("fused", "split", "onepass"):
-        raise ValueError(f"K3_CONV_BWD must be 'fused', 'split' or 'onepass', got {mode!r}")
-    return mode
+def _mode(W: int) -> str:
+    """Env K3_CONV: "window" (default; W <= 4) or "tiles" (the tiled forward and split backward, any W)."""
+    mode = os.environ.get("K3_CONV", "window")
+    if mode not in ("window", "tiles"):
+        raise ValueError(f"K3_CONV must be 'window' or 'tiles', got {mode!r}")
+    return mode if W <= MAX_WINDOW else "tiles"
 
 
 def _dz_dtype(x: torch.Tensor) -> torch.dtype:
-    """The split backward's dz scratch, env K3_CONV_DZ: "auto" (default) = x's dtype for bf16/fp16 x, fp32
+    """The tiled backward's dz scratch, env K3_CONV_DZ: "auto" (default) = x's dtype for bf16/fp16 x, fp32
     for fp32 x; "half" = x's dtype; "fp32". In bf16 half the scratch bytes (its write and the W shifted
     reads) at one more rounding of dz before dx and dw (H200, 65,536 x 3,072 bf16: fwd+bwd 1.88 -> 1.59
     ms; vs float64 dx 2.3e-3 -> 2.9e-3, dw 1.7e-3 -> 2.3e-3 relative)."""
@@ -285,6 +397,13 @@ def _stream_args(ts: list, fill: torch.Tensor) -> tuple[list, int]:
     return [t if t is not None else fill for t in ts] + [fill] * (MAX_STREAMS - len(ts)), live
 
 
+def _pad_taps(weight: torch.Tensor) -> torch.Tensor:
+    """[SC, W] -> [SC, 4] with W <= 4: zero taps in front (a shorter causal conv is a width-4 one whose
+    oldest taps are zero)."""
+    W = weight.shape[1]
+    return weight if W == MAX_WINDOW else torch.nn.functional.pad(weight, (MAX_WINDOW - W, 0)).contiguous()
+
+
 class ShortConvSiLU(torch.autograd.Function):
     """x [B, T, S*C] (last dim contiguous), weight [S*C, W] fp32, starts [T] int32 or None, S <= 4
     -> SiLU(causal depthwise conv) as S separate contiguous [B, T, C] tensors in x's dtype (stream s:
@@ -299,11 +418,15 @@ class ShortConvSiLU(torch.autograd.Function):
         outs = [torch.empty(B, T, C, device=x.device, dtype=x.dtype) for _ in range(streams)]
         ys, live = _stream_args(outs, outs[0])
         st = starts if starts is not None else weight
-        bt, bc, warps = _tiles("FWD")
-        _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, *ys, weight, B, T, **_strides(x),
-                                                 SC=SC, C=C, S=streams, LIVE=live, W=W,
-                                                 HAS_STARTS=starts is not None, DZ=False,
-                                                 BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        common = dict(SC=SC, C=C, S=streams, LIVE=live, HAS_STARTS=starts is not None)
+        if _mode(W) == "window":
+            r, bc, warps = _window_tiles("FWDW")
+            _conv_fwd_window[(triton.cdiv(T, r), triton.cdiv(SC, bc), B)](
+                x, _pad_taps(weight), st, *ys, T, **_strides(x), **common, R=r, BLOCK_C=bc, num_warps=warps)
+        else:
+            bt, bc, warps = _tiles("FWD")
+            _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, *ys, weight, B, T, **_strides(x), **common,
+                                                     W=W, DZ=False, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(x, weight, starts)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor
         return tuple(outs)
@@ -314,31 +437,24 @@ class ShortConvSiLU(torch.autograd.Function):
         B, T, SC = x.shape
         W = weight.shape[1]
         S = len(douts)
-        C = SC // S
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype)
         st = starts if starts is not None else weight
-        has = starts is not None
-        mode = _bwd_mode()
-        strides = _strides(x)
-        bt, bc, warps = _tiles("BWD1" if mode == "onepass" else "BWD")
+        common = dict(SC=SC, HAS_STARTS=starts is not None, **_strides(x))
+        if _mode(W) == "window":
+            r, bc, warps = _window_tiles("BWDW")
+            grid = (triton.cdiv(T, r), triton.cdiv(SC, bc), B)
+            dw_part = torch.empty(B * grid[0], MAX_WINDOW, SC, device=x.device, dtype=torch.float32)
+            _conv_bwd_window[grid](x, _pad_taps(weight), st, *ds, dx, dw_part, T, **common, C=SC // S, S=S,
+                                   LIVE=live, R=r, BLOCK_C=bc, num_warps=warps)
+            return dx, dw_part.sum(0).t()[:, MAX_WINDOW - W:].contiguous(), None, None
+        bt, bc, warps = _tiles("BWD")
         grid = _grid(B, T, SC, bt, bc)
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
-        if mode == "onepass":
-            if bt < 16 or bc < 16:
-                raise ValueError(f"K3_CONV_BWD=onepass: tile {bt} x {bc} is below the dots' 16 x 16")
-            _short_conv_bwd1[grid](x, weight, st, *ds, dx, dw_part, B, T, **strides, SC=SC, C=C, S=S, LIVE=live,
-                                   W=W, HAS_STARTS=has, HALF_DZ=_dz_dtype(x) != torch.float32, BLOCK_T=bt,
-                                   BLOCK_C=bc, HALO=max(16, triton.next_power_of_2(W - 1)), num_warps=warps)
-            return dx, dw_part.sum(0).t().contiguous(), None, None
-        split = mode == "split"
-        dz = dx  # not read by the fused kernel (SPLIT=False), which recomputes dz
-        if split:
-            dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
-            _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **strides, SC=SC, C=C, S=S, LIVE=live, W=W,
-                                  HAS_STARTS=has, DZ=True, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        _short_conv_bwd[grid](x, weight, st, *ds, dz, dx, dw_part, B, T, **strides, SC=SC, C=C, S=S, LIVE=live,
-                              W=W, HAS_STARTS=has, SPLIT=split, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        dw = dw_part.sum(0).t().contiguous()
-        return dx, dw, None, None
+        dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
+        _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **common, C=SC // S, S=S, LIVE=live, W=W, DZ=True,
+                              BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
+        _short_conv_bwd[grid](x, weight, st, dz, dx, dw_part, B, T, **common, W=W, BLOCK_T=bt, BLOCK_C=bc,
+                              num_warps=warps)
+        return dx, dw_part.sum(0).t().contiguous(), None, None
