@@ -347,6 +347,8 @@ def linear_multi(x: Tensor, groups: list[list[Tensor]]) -> list[Tensor]:
         return [F.linear(x, g[0]) if len(g) == 1 else torch.cat([F.linear(x, w) for w in g], dim=-1)
                 for g in groups]
     out = F.linear(x, torch.cat([w for g in groups for w in g]))
+    if len(groups) == 1:
+        return [out]  # no split: its backward would copy the gradient
     return list(out.split([sum(w.shape[0] for w in g) for g in groups], dim=-1))
 
 

@@ -78,19 +78,21 @@ def _conv_fix_rows(layout: SeqLayout, total: int, width: int, device: torch.devi
 
 
 def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, streams: int,
-                      kernels: Kernels = EAGER) -> tuple[torch.Tensor, ...]:
+                      kernels: Kernels = EAGER, passthrough: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
     """`causal_conv_silu` for a forward without history (training, fresh prefill), as one depthwise
     conv1d over the whole row in fp32, then SiLU, cast, and a split into `streams` equal parts.
 
-    x: [B, T, S*C] any layout (e.g. a slice of a fused projection); weight [S*C, 1, W] fp32.
-    Returns S tensors [B, T, C] in x's dtype, each contiguous (ready for the KDA kernel as is).
+    x: [B, T, S*C + sum(passthrough)] any layout (e.g. a fused projection's output); weight [S*C, 1, W]
+    fp32. Returns S tensors [B, T, C] in x's dtype, each contiguous (ready for the KDA kernel as is),
+    then x's `passthrough` column groups after the conv channels, untouched (see `short_conv_silu`: on
+    CUDA their gradients and the conv's are written into one tensor, no concatenation).
     Packed documents: the conv runs across document edges, then the first W-1 rows of each document
     are recomputed from their own document's taps (a few gathers), so the result is exact.
     On CUDA the fused Triton kernels of `k3.ops.short_conv` do all of it in one launch each way, with
     S separate outputs, so the backward takes the S gradients as they are (no stack of them into one
     [S, B, T, C] tensor). The CPU path's streams are views of one [S, B, T, C] tensor.
     """
-    T, C = x.shape[1:]
+    T, C = x.shape[1], x.shape[2] - sum(passthrough)
     if x.is_cuda:
         starts = None
         if layout.cu_seqlens is not None:  # shared by every KDA layer of the forward
@@ -98,7 +100,9 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
             if T not in memo:
                 memo[T] = document_starts(layout.cu_seqlens.to(x.device), T)
             starts = memo[T]
-        return short_conv_silu(x, weight, streams=streams, starts=starts)
+        return short_conv_silu(x, weight, streams=streams, starts=starts, passthrough=passthrough)
+    rest = tuple(x[..., C:].split(list(passthrough), dim=-1)) if passthrough else ()
+    x = x[..., :C]
     W = weight.shape[-1]
     xt = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)  # [B, C, T]
     w = weight.float()
@@ -110,7 +114,7 @@ def conv_silu_streams(x: torch.Tensor, weight: torch.Tensor, layout: SeqLayout, 
         src = (rows[:, None] + torch.arange(W, device=x.device) - (W - 1)).clamp(0, T - 1)  # [R, W]
         taps = xt[0][:, src] * (w.reshape(C, 1, W) * keep)  # [C, R, W]
         y[0].index_copy_(1, rows, taps.sum(-1))  # row T (spare entries) lies outside the kept [:T]
-    return tuple(kernels.silu_streams(y[..., :T], streams, x.dtype).unbind(0))
+    return tuple(kernels.silu_streams(y[..., :T], streams, x.dtype).unbind(0)) + rest
 
 
 class KDAttention(nn.Module):
@@ -173,11 +177,14 @@ class KDAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         tail = cache.conv_tail[self.layer_idx] if cache is not None else None
-        qkv, g_in, f_a, b = linear_multi(x, [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight],
-                                             [self.g_proj.weight], [self.f_a_proj.weight], [self.b_proj.weight]])
-        if cache is None:  # no history: the whole-row conv
-            q, k, v = (t.reshape(B, T, H, K) for t in conv_silu_streams(qkv, conv_w, layout, 3, self.kernels))
+        groups = [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], [self.g_proj.weight],
+                  [self.f_a_proj.weight], [self.b_proj.weight]]
+        if cache is None:  # no history: the whole-row conv, which passes the projection's other outputs through
+            proj = linear_multi(x, [sum(groups, [])])[0]  # [B, T, 3HK + HK + K + H]
+            *qkv, g_in, f_a, b = conv_silu_streams(proj, conv_w, layout, 3, self.kernels, passthrough=(H * K, K, H))
+            q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         else:
+            qkv, g_in, f_a, b = linear_multi(x, groups)
             qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)

@@ -263,3 +263,28 @@ def test_window_keeps_dz_in_fp32(monkeypatch):
     ulp = res["tiles"][0].abs().clamp_min(2.0 ** -126) * 2.0 ** -7
     assert ((res["window"][0] - res["tiles"][0]).abs() <= ulp).all()
     assert res["window"][1] <= res["tiles"][1] and res["window"][2] <= res["tiles"][2] * 1.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passthrough_columns(dtype, bwd):
+    """x = [conv channels | two passthrough groups] (KDA's fused projection): the groups come back as views
+    of x, and x's gradient is one tensor holding the conv's gradient and theirs (an unused group: zeros)."""
+    torch.manual_seed(2)
+    S, C, P = 3, 16, (5, 3)
+    cu = torch.tensor([0, 2, 30, 70], device=DEV, dtype=torch.int32)
+    x = torch.randn(1, 70, S * C + sum(P), device=DEV, dtype=dtype, requires_grad=True)
+    w = (torch.randn(S * C, 1, 4, device=DEV) * 0.5).requires_grad_()
+    *outs, p0, p1 = short_conv_silu(x, w, streams=S, cu_seqlens=cu, passthrough=P)
+    assert torch.equal(p0, x[..., S * C:S * C + 5]) and torch.equal(p1, x[..., S * C + 5:])
+    assert p0.data_ptr() == x[..., S * C:].data_ptr()  # a view, no copy
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = short_conv_silu_reference(xr[..., :S * C], wr, cu).reshape(1, 70, S, C).permute(2, 0, 1, 3)
+    do = torch.randn_like(ref)
+    dp0 = torch.randn(1, 70, 5, device=DEV, dtype=dtype)
+    torch.autograd.backward(list(outs) + [p0], [d.to(dtype) for d in do.unbind(0)] + [dp0])  # p1 unused
+    ref.backward(do)
+    assert _rel(torch.stack(outs), ref) < TOL[dtype]
+    assert _rel(x.grad[..., :S * C], xr.grad[..., :S * C]) < TOL[dtype] and _rel(w.grad, wr.grad) < TOL[dtype]
+    assert torch.equal(x.grad[..., S * C:S * C + 5], dp0) and not x.grad[..., S * C + 5:].any()
+    with pytest.raises(ValueError, match="passthrough"):
+        short_conv_silu(x, w, streams=S, passthrough=(0,))

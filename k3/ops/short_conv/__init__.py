@@ -23,27 +23,36 @@ def document_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, *, streams: int = 1,
-                    cu_seqlens: torch.Tensor | None = None, starts: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, ...]:
+                    cu_seqlens: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                    passthrough: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
     """SiLU(depthwise causal conv(x)) with no history before each document, split into streams.
 
     Args:
-        x: [B, T, S*C] bf16/fp16/fp32 (the last dim must be contiguous; e.g. a slice of a fused
-            projection). Packed documents: B = 1 and cu_seqlens [N + 1] (or their `starts`).
+        x: [B, T, S*C + sum(passthrough)] bf16/fp16/fp32 (the last dim must be contiguous; e.g. a slice of a
+            fused projection). Packed documents: B = 1 and cu_seqlens [N + 1] (or their `starts`).
         weight: [S*C, 1, W] or [S*C, W]; the conv runs in fp32 (tap W-1 is the current token).
         streams: S (1 to 4), the number of equal channel groups returned separately (q, k, v -> 3).
         starts: int32 [T], the first row of each token's document (`document_starts`), to share it
             across layers instead of passing cu_seqlens.
+        passthrough: widths of column groups after the S*C conv channels that are returned untouched, as
+            views of x (a fused projection's other outputs: KDA's gate, forget-gate and beta inputs). Their
+            gradients are written next to the conv's in the one [B, T, width] gradient of x, so no
+            concatenation of the pieces' gradients is needed (autograd's split backward would copy all of
+            them; the conv kernels write theirs in place).
     Returns:
         a tuple of S separate contiguous [B, T, C] tensors in x's dtype, stream s = channels
-        [s*C, (s+1)*C); differentiable in x and weight. The backward reads each stream's gradient where
-        it lies (no [S, B, T, C] stack of them); an unused stream (gradient None) counts as zeros.
+        [s*C, (s+1)*C), then the passthrough views; differentiable in x and weight. The backward reads
+        each stream's gradient where it lies (no [S, B, T, C] stack of them); an unused output (gradient
+        None) counts as zeros.
     """
     from k3.ops.short_conv.triton_conv import MAX_STREAMS, ShortConvSiLU
 
     if x.dim() != 3:
         raise ValueError(f"x must be [B, T, S*C], got shape {list(x.shape)}")
-    B, T, SC = x.shape
+    B, T, width = x.shape
+    SC = width - sum(passthrough)
+    if any(n < 1 for n in passthrough) or SC < 1:
+        raise ValueError(f"passthrough widths {passthrough} must be >= 1 and leave conv channels in x's {width}")
     if not 1 <= streams <= MAX_STREAMS:
         raise ValueError(f"streams must be 1 to {MAX_STREAMS} (the kernels' stream pointers), got {streams}")
     if SC % streams:
@@ -60,4 +69,4 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, *, streams: int = 1,
     if x.stride(-1) != 1:
         x = x.contiguous()
     starts = starts.to(torch.int32).contiguous() if starts is not None else None
-    return ShortConvSiLU.apply(x, w.float().contiguous(), starts, streams)
+    return ShortConvSiLU.apply(x, w.float().contiguous(), starts, streams, tuple(passthrough))

@@ -265,7 +265,7 @@ def _conv_fwd_window(x, w4, starts, y0, y1, y2, y3, T, sxb_v, sxt_v,
 
 @triton.jit
 def _bwd_row(t, xt, dy, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb,
-             SC: tl.constexpr, r0, R: tl.constexpr, m_c, HAS_STARTS: tl.constexpr):
+             DXW: tl.constexpr, r0, R: tl.constexpr, m_c, HAS_STARTS: tl.constexpr):
     """Row t of the backward: y from the window and xt, dz = dy * SiLU'(y); tap j's share w_j dz goes to
     the dx accumulator of row t-3+j (ga, gm, gz: rows t-3..t-1) unless that row lies in an earlier
     document; row t-3 is then complete and stored (when it is the strip's); dw_j += dz x[t-3+j] for the
@@ -280,7 +280,7 @@ def _bwd_row(t, xt, dy, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, 
     s2 = w2 * dz
     if t - 3 < st:
         s0, s1, s2 = _clip_window(s0, s1, s2, t, st)
-    tl.store(dxb + (t - 3).to(tl.int64) * SC, (ga + s0).to(dxb.dtype.element_ty),
+    tl.store(dxb + (t - 3).to(tl.int64) * DXW, (ga + s0).to(dxb.dtype.element_ty),
              mask=_row_mask(m_c, t - 3, tl.minimum(r0 + R, T), r0))
     if t < r0 + R:  # the strip's own rows' dw (the 3 after it are the next strip's)
         dw0 += dz * xa
@@ -292,13 +292,14 @@ def _bwd_row(t, xt, dy, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, 
 
 @triton.jit
 def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v,
-                     SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
+                     SC: tl.constexpr, DXW: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
                      HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
                      R: tl.constexpr, BLOCK_C: tl.constexpr):
     """One pass over this program's rows [r0, r0+R) and the 3 after them (whose dz reach its last dx rows),
     4 rows per step (the next 4 rows of x and of the stream gradients d0..d{S-1} [B, T, C] loaded while
     these are computed; bit s of LIVE clear: stream s's gradient is None, zeros): see `_bwd_row`. The
-    strip's dw partials are stored as dw_part[program, j, c] at the end."""
+    strip's dw partials are stored as dw_part[program, j, c] at the end. dx: rows DXW apart (the conv
+    channels lead wider rows when columns pass through)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -306,7 +307,7 @@ def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v
     xb = x + i_b.to(tl.int64) * sxb_v * VB + o_c
     cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
     db = cols + i_b.to(tl.int64) * T * C
-    dxb = dx + i_b.to(tl.int64) * T * SC + o_c
+    dxb = dx + i_b.to(tl.int64) * T * DXW + o_c
     w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
     w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
     w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
@@ -330,16 +331,16 @@ def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v
         n0, n1, n2, n3 = _rows4(xb, t + 4, sxt, end, m_c)
         e0, e1, e2, e3 = _rows4(db, t + 4, C, end, m_c & live)
         xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
-            t, c0, f0, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R, m_c,
+            t, c0, f0, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, DXW, r0, R, m_c,
             HAS_STARTS)
         xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
-            t + 1, c1, f1, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            t + 1, c1, f1, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, DXW, r0, R,
             m_c, HAS_STARTS)
         xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
-            t + 2, c2, f2, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            t + 2, c2, f2, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, DXW, r0, R,
             m_c, HAS_STARTS)
         xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3 = _bwd_row(
-            t + 3, c3, f3, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, SC, r0, R,
+            t + 3, c3, f3, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, w3, starts, T, dxb, DXW, r0, R,
             m_c, HAS_STARTS)
     part = dw_part + ((i_b * tl.num_programs(0) + i_t).to(tl.int64) * 4) * SC + o_c
     tl.store(part, dw0, mask=m_c)
@@ -405,16 +406,18 @@ def _pad_taps(weight: torch.Tensor) -> torch.Tensor:
 
 
 class ShortConvSiLU(torch.autograd.Function):
-    """x [B, T, S*C] (last dim contiguous), weight [S*C, W] fp32, starts [T] int32 or None, S <= 4
-    -> SiLU(causal depthwise conv) as S separate contiguous [B, T, C] tensors in x's dtype (stream s:
-    channels [s*C, (s+1)*C)). The backward takes the S stream gradients as they come, None for an
-    unused output."""
+    """x [B, T, S*C + P] (last dim contiguous), weight [S*C, W] fp32, starts [T] int32 or None, S <= 4,
+    passthrough widths summing to P -> SiLU(causal depthwise conv) of the first S*C channels as S separate
+    contiguous [B, T, C] tensors in x's dtype (stream s: channels [s*C, (s+1)*C)), then the passthrough
+    column groups as views of x. The backward takes the gradients as they come, None for an unused
+    output, and returns x's gradient as one [B, T, S*C + P] tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, starts, streams):  # noqa: ANN001 - autograd signature
-        B, T, SC = x.shape
-        W = weight.shape[1]
+    def forward(ctx, x, weight, starts, streams, passthrough):  # noqa: ANN001 - autograd signature
+        B, T, width = x.shape
+        SC, W = weight.shape
         C = SC // streams
+        xc = x[..., :SC]
         outs = [torch.empty(B, T, C, device=x.device, dtype=x.dtype) for _ in range(streams)]
         ys, live = _stream_args(outs, outs[0])
         st = starts if starts is not None else weight
@@ -422,39 +425,53 @@ class ShortConvSiLU(torch.autograd.Function):
         if _mode(W) == "window":
             r, bc, warps = _window_tiles("FWDW")
             _conv_fwd_window[(triton.cdiv(T, r), triton.cdiv(SC, bc), B)](
-                x, _pad_taps(weight), st, *ys, T, **_strides(x), **common, R=r, BLOCK_C=bc, num_warps=warps)
+                xc, _pad_taps(weight), st, *ys, T, **_strides(xc), **common, R=r, BLOCK_C=bc, num_warps=warps)
         else:
             bt, bc, warps = _tiles("FWD")
-            _short_conv_fwd[_grid(B, T, SC, bt, bc)](x, weight, st, *ys, weight, B, T, **_strides(x), **common,
+            _short_conv_fwd[_grid(B, T, SC, bt, bc)](xc, weight, st, *ys, weight, B, T, **_strides(xc), **common,
                                                      W=W, DZ=False, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        ctx.save_for_backward(x, weight, starts)
+        ctx.save_for_backward(xc, weight, starts)
+        ctx.streams, ctx.passthrough = streams, passthrough
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor
-        return tuple(outs)
+        offs = [SC + sum(passthrough[:i]) for i in range(len(passthrough))]
+        return tuple(outs) + tuple(x.narrow(-1, o, n) for o, n in zip(offs, passthrough))
 
     @staticmethod
-    def backward(ctx, *douts):  # noqa: ANN001
+    def backward(ctx, *grads):  # noqa: ANN001
         x, weight, starts = ctx.saved_tensors
         B, T, SC = x.shape
         W = weight.shape[1]
-        S = len(douts)
+        S = ctx.streams
+        douts, dpass = grads[:S], grads[S:]
+        width = SC + sum(ctx.passthrough)
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
-        dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype)
+        dx_full = torch.empty(B, T, width, device=x.device, dtype=x.dtype)
+        off = SC
+        for g, n in zip(dpass, ctx.passthrough):
+            if g is not None:
+                dx_full[..., off:off + n].copy_(g)
+            else:
+                dx_full[..., off:off + n].zero_()
+            off += n
         st = starts if starts is not None else weight
         common = dict(SC=SC, HAS_STARTS=starts is not None, **_strides(x))
         if _mode(W) == "window":
             r, bc, warps = _window_tiles("BWDW")
             grid = (triton.cdiv(T, r), triton.cdiv(SC, bc), B)
             dw_part = torch.empty(B * grid[0], MAX_WINDOW, SC, device=x.device, dtype=torch.float32)
-            _conv_bwd_window[grid](x, _pad_taps(weight), st, *ds, dx, dw_part, T, **common, C=SC // S, S=S,
-                                   LIVE=live, R=r, BLOCK_C=bc, num_warps=warps)
-            return dx, dw_part.sum(0).t()[:, MAX_WINDOW - W:].contiguous(), None, None
+            _conv_bwd_window[grid](x, _pad_taps(weight), st, *ds, dx_full, dw_part, T, **common, DXW=width,
+                                   C=SC // S, S=S, LIVE=live, R=r, BLOCK_C=bc, num_warps=warps)
+            return dx_full, dw_part.sum(0).t()[:, MAX_WINDOW - W:].contiguous(), None, None, None
         bt, bc, warps = _tiles("BWD")
         grid = _grid(B, T, SC, bt, bc)
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
+        dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype) if width > SC else dx_full
         _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **common, C=SC // S, S=S, LIVE=live, W=W, DZ=True,
                               BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         _short_conv_bwd[grid](x, weight, st, dz, dx, dw_part, B, T, **common, W=W, BLOCK_T=bt, BLOCK_C=bc,
                               num_warps=warps)
-        return dx, dw_part.sum(0).t().contiguous(), None, None
+        if width > SC:
+            dx_full[..., :SC].copy_(dx)
+        return dx_full, dw_part.sum(0).t().contiguous(), None, None, None
