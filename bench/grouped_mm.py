@@ -13,6 +13,11 @@ order), with the copy included in the time:
   dw13    d_ab^T @ xs per expert -> [E, 2I, L]    (A = d_ab^T, a transposed view: M-major)
   dw2     h^T @ dy per expert    -> [E, I, L]^T   (as autograd computes the weight gradient of w2^T)
 
+(A weight gradient with A copied K-major first is not a variant: its groups then start at arbitrary
+offsets inside rows, and torch._grouped_mm requires each group's bytes along a contiguous dimension to
+be a multiple of 16 -- counts that are multiples of 8 -- which the routed counts are not: a device-side
+assert on the H200, 2026-12-01.)
+
 Prints ms, TFLOP/s, the fraction of the 790 TFLOP/s bf16 roof and the speed against "current" of the
 same GEMM; results of every variant are checked against "current" (bf16 GEMMs: identical inputs, so the
 relative difference is summation order only).
@@ -67,12 +72,10 @@ def variants(S: int, L: int, I: int, E: int, offs: torch.Tensor, gen: torch.Gene
         }),
         "dw13": (2.0 * S * 2 * I * L, {
             "current": lambda: gm(d_ab.t(), xs, offs=offs),
-            "A copied K-major first": lambda: gm(d_ab.t().contiguous(), xs, offs=offs),
             "transposed product": lambda: gm(xs.t(), d_ab, offs=offs).transpose(-2, -1),
         }),
         "dw2": (2.0 * S * I * L, {
             "current": lambda: gm(h.t(), dy, offs=offs),
-            "A copied K-major first": lambda: gm(h.t().contiguous(), dy, offs=offs),
             "transposed product": lambda: gm(dy.t(), h, offs=offs).transpose(-2, -1),
         }),
     }

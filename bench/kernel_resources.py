@@ -64,8 +64,11 @@ def _drivers():
     def shortconv():
         from k3.ops.short_conv import short_conv_silu
 
-        x, w = leaf(1, 128, 3 * 1024), torch.randn(3 * 1024, 1, 4, requires_grad=True)
-        sum(t.float().sum() for t in short_conv_silu(x, w, streams=3)).backward()
+        # as the model calls it: the fused KDA projection's 4,232-wide rows, two documents, passthrough columns
+        x, w = leaf(1, 128, 4232), torch.randn(3 * 1024, 1, 4, requires_grad=True)
+        cu = torch.tensor([0, 50, 128], dtype=torch.int32)
+        outs = short_conv_silu(x, w, streams=3, cu_seqlens=cu, passthrough=(1024, 128, 8))
+        sum(t.float().sum() for t in outs).backward()
 
     def situ():
         from k3.ops.situ import situ_glu
