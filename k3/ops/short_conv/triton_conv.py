@@ -217,6 +217,24 @@ def _rows4(ptr, t, stride, end, mask):
 
 
 @triton.jit
+def _window_program(x, w4, p0, p1, p2, p3, T, sxb_v, sxt_v, SC: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                    LIVE: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A window program's channels o_c (mask m_c), x's pointers at its batch row 0 and row stride, its
+    channels' pointers into the S stream tensors p0..p3 [B, T, C] at row 0 and whether each is live, and
+    the four taps w0..w3 [BLOCK_C] fp32."""
+    i_c, i_b = tl.program_id(1), tl.program_id(2)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < SC
+    cols, live = _stream_cols(p0, p1, p2, p3, o_c, C, S, LIVE)
+    w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
+    w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
+    w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
+    w3 = tl.load(w4 + o_c * 4 + 3, mask=m_c, other=0.0)
+    return (o_c, m_c, x + i_b.to(tl.int64) * sxb_v * VB + o_c, sxt_v * VT, cols + i_b.to(tl.int64) * T * C, live,
+            w0, w1, w2, w3)
+
+
+@triton.jit
 def _fwd_row(t, xt, xa, xm, xz, w0, w1, w2, w3, starts, T, yb, C: tl.constexpr, m_c, HAS_STARTS: tl.constexpr):
     """Output row t from the window xa, xm, xz (rows t-3..t-1, fp32) and xt: SiLU(y) stored; returns the
     next window."""
@@ -237,17 +255,9 @@ def _conv_fwd_window(x, w4, starts, y0, y1, y2, y3, T, sxb_v, sxt_v,
     """y0..y{S-1} [B, T, C] = SiLU(sum_j w4[c, j] x[t-3+j, c] over taps in t's document) for this program's
     rows [i_t*R, (i_t+1)*R) and channels, walking the rows in order, 4 per step (the next 4 loaded while
     these are computed), with x[t-3..t-1] kept in registers. w4 [SC, 4] fp32 (tap 3 = the current row)."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sxt = sxt_v * VT
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb_v * VB + o_c
-    cols, live = _stream_cols(y0, y1, y2, y3, o_c, C, S, LIVE)
-    yb = cols + i_b.to(tl.int64) * T * C
-    w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
-    w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
-    w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
-    w3 = tl.load(w4 + o_c * 4 + 3, mask=m_c, other=0.0)
+    i_t = tl.program_id(0)
+    o_c, m_c, xb, sxt, yb, live, w0, w1, w2, w3 = _window_program(x, w4, y0, y1, y2, y3, T, sxb_v, sxt_v, SC, C,
+                                                                 S, LIVE, VB, VT, BLOCK_C)
     r0 = i_t * R
     end = tl.minimum(r0 + R, T)
     _, xa, xm, xz = _rows4(xb, r0 - 4, sxt, end, m_c)  # the window: rows r0-3, r0-2, r0-1
@@ -300,18 +310,10 @@ def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v
     these are computed; bit s of LIVE clear: stream s's gradient is None, zeros): see `_bwd_row`. The
     strip's dw partials are stored as dw_part[program, j, c] at the end. dx: rows DXW apart (the conv
     channels lead wider rows when columns pass through)."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sxt = sxt_v * VT
-    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    m_c = o_c < SC
-    xb = x + i_b.to(tl.int64) * sxb_v * VB + o_c
-    cols, live = _stream_cols(d0, d1, d2, d3, o_c, C, S, LIVE)
-    db = cols + i_b.to(tl.int64) * T * C
+    i_t, i_b = tl.program_id(0), tl.program_id(2)
+    o_c, m_c, xb, sxt, db, live, w0, w1, w2, w3 = _window_program(x, w4, d0, d1, d2, d3, T, sxb_v, sxt_v, SC, C,
+                                                                 S, LIVE, VB, VT, BLOCK_C)
     dxb = dx + i_b.to(tl.int64) * T * DXW + o_c
-    w0 = tl.load(w4 + o_c * 4, mask=m_c, other=0.0)
-    w1 = tl.load(w4 + o_c * 4 + 1, mask=m_c, other=0.0)
-    w2 = tl.load(w4 + o_c * 4 + 2, mask=m_c, other=0.0)
-    w3 = tl.load(w4 + o_c * 4 + 3, mask=m_c, other=0.0)
     r0 = i_t * R
     end = tl.minimum(r0 + R + 3, T)  # the last row whose dz this strip needs, + 1
     _, xa, xm, xz = _rows4(xb, r0 - 4, sxt, end, m_c)
