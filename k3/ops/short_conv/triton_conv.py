@@ -48,7 +48,7 @@ def _window_tiles(direction: str) -> tuple[int, ...]:
 
 
 def _tiles(direction: str) -> tuple[int, ...]:
-    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD,BWD1}_{BT,BC,WARPS} override the
+    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD}_{BT,BC,WARPS} override the
     defaults (read per call: bench/short_conv.py --sweep times the combinations)."""
     return env_tile(f"K3_CONV_{direction}", ("BT", "BC", "WARPS"), TILES[direction])
 
@@ -155,10 +155,11 @@ def _short_conv_fwd(x, w, starts, y0, y1, y2, y3, dz, B, T, sxb_v, sxt_v,
 
 @triton.jit
 def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
-                    SC: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr, VB: tl.constexpr,
-                    VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                    SC: tl.constexpr, DXW: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """The tiled backward's second pass: dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's
-    document, from dz [B, T, SC] of the DZ pass of _short_conv_fwd, and this block's dw partials."""
+    document, from dz [B, T, SC] of the DZ pass of _short_conv_fwd, and this block's dw partials. dx: rows
+    DXW apart (the conv channels lead wider rows when columns pass through)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
@@ -175,7 +176,7 @@ def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
         if e == 0:
             _dw_partials(dw_part, xb, starts, d, o_s, m_s, o_c, m_c, sxt, i_b * tl.num_programs(0) + i_t,
                          SC, W, HAS_STARTS)
-    tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * SC + o_c[None, :],
+    tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * DXW + o_c[None, :],
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
 
@@ -433,10 +434,10 @@ class ShortConvSiLU(torch.autograd.Function):
             _short_conv_fwd[_grid(B, T, SC, bt, bc)](xc, weight, st, *ys, weight, B, T, **_strides(xc), **common,
                                                      W=W, DZ=False, BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
         ctx.save_for_backward(xc, weight, starts)
-        ctx.streams, ctx.passthrough = streams, passthrough
+        ctx.streams = streams
+        ctx.columns = [(SC + sum(passthrough[:i]), n) for i, n in enumerate(passthrough)]  # (offset, width)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zero tensor
-        offs = [SC + sum(passthrough[:i]) for i in range(len(passthrough))]
-        return tuple(outs) + tuple(x.narrow(-1, o, n) for o, n in zip(offs, passthrough))
+        return tuple(outs) + tuple(x.narrow(-1, o, n) for o, n in ctx.columns)
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001
@@ -445,17 +446,15 @@ class ShortConvSiLU(torch.autograd.Function):
         W = weight.shape[1]
         S = ctx.streams
         douts, dpass = grads[:S], grads[S:]
-        width = SC + sum(ctx.passthrough)
+        width = SC + sum(n for _, n in ctx.columns)
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx_full = torch.empty(B, T, width, device=x.device, dtype=x.dtype)
-        off = SC
-        for g, n in zip(dpass, ctx.passthrough):
+        for g, (off, n) in zip(dpass, ctx.columns):
             if g is not None:
                 dx_full[..., off:off + n].copy_(g)
             else:
                 dx_full[..., off:off + n].zero_()
-            off += n
         st = starts if starts is not None else weight
         common = dict(SC=SC, HAS_STARTS=starts is not None, **_strides(x))
         if _mode(W) == "window":
@@ -469,11 +468,8 @@ class ShortConvSiLU(torch.autograd.Function):
         grid = _grid(B, T, SC, bt, bc)
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
-        dx = torch.empty(B, T, SC, device=x.device, dtype=x.dtype) if width > SC else dx_full
         _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **common, C=SC // S, S=S, LIVE=live, W=W, DZ=True,
                               BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        _short_conv_bwd[grid](x, weight, st, dz, dx, dw_part, B, T, **common, W=W, BLOCK_T=bt, BLOCK_C=bc,
-                              num_warps=warps)
-        if width > SC:
-            dx_full[..., :SC].copy_(dx)
+        _short_conv_bwd[grid](x, weight, st, dz, dx_full, dw_part, B, T, **common, DXW=width, W=W, BLOCK_T=bt,
+                              BLOCK_C=bc, num_warps=warps)
         return dx_full, dw_part.sum(0).t().contiguous(), None, None, None
