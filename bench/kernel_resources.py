@@ -165,8 +165,8 @@ def compile_launch(launch: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def resources(kernel) -> dict[str, int]:  # noqa: ANN001 - a triton CompiledKernel
-    """{"regs", "stack", "smem"} of a compiled kernel, from cuobjdump --dump-resource-usage."""
+def _cuobjdump(kernel, flag: str) -> str:  # noqa: ANN001 - a triton CompiledKernel
+    """`cuobjdump <flag>` of the kernel's cubin (the cuobjdump shipped in Triton's wheel)."""
     import triton.backends.nvidia as nv
 
     tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
@@ -174,21 +174,19 @@ def resources(kernel) -> dict[str, int]:  # noqa: ANN001 - a triton CompiledKern
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(kernel) -> dict[str, int]:  # noqa: ANN001 - a triton CompiledKernel
+    """{"regs", "stack", "smem"} of a compiled kernel, from cuobjdump --dump-resource-usage."""
+    out = _cuobjdump(kernel, "--dump-resource-usage")
     fields = dict(tok.split(":", 1) for line in out.splitlines() if "REG:" in line for tok in line.split() if ":" in tok)
     return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]), "smem": int(kernel.metadata.shared)}
 
 
 def sass(kernel) -> str:  # noqa: ANN001 - a triton CompiledKernel
     """The kernel's SASS (cuobjdump -sass of its cubin)."""
-    import triton.backends.nvidia as nv
-
-    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return _cuobjdump(kernel, "-sass")
 
 
 def sass_count(text: str) -> int:

@@ -126,15 +126,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _timed(env: dict, fn) -> str:
-    """fn() in ms under the env settings `env` (restored afterwards); a tile that fails is reported."""
+def _timed(env: dict, fn, nbytes: float) -> tuple[str, str]:
+    """(ms, GB/s) of fn() moving `nbytes` under the env settings `env` (restored afterwards); a tile that
+    fails is reported in the ms column."""
     from triton.testing import do_bench
 
     os.environ.update(env)
     try:
-        return f"{do_bench(fn, warmup=25, rep=100):.3f}"
+        ms = do_bench(fn, warmup=25, rep=100)
+        return f"{ms:.3f}", f"{nbytes / ms / 1e6:,.0f}"
     except Exception as ex:  # a tile that does not compile: report and go on
-        return f"{type(ex).__name__}: {str(ex)[:80]}"
+        return f"{type(ex).__name__}: {str(ex)[:80]}", ""
     finally:
         for k in env:
             os.environ.pop(k)
@@ -151,19 +153,16 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
     row = "| {} | {} | {} | {} | {} | {} | {} | {} |"
     for r, bc, wp in [(64, 512, 4), (32, 512, 4), (128, 512, 4), (256, 512, 4), (64, 1024, 4), (64, 1024, 8),
                       (64, 256, 2), (64, 256, 1), (128, 256, 2), (64, 512, 8), (64, 128, 1)]:
-        ms = _timed({"K3_CONV_FWDW_R": str(r), "K3_CONV_FWDW_BC": str(bc), "K3_CONV_FWDW_WARPS": str(wp)}, fn)
-        gbs = f"{nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
-        print(row.format("window", "fwd", r, bc, wp, "-", ms, gbs), flush=True)
+        env = {"K3_CONV_FWDW_R": str(r), "K3_CONV_FWDW_BC": str(bc), "K3_CONV_FWDW_WARPS": str(wp)}
+        print(row.format("window", "fwd", r, bc, wp, "-", *_timed(env, fn, nbytes)), flush=True)
     for r, bc, wp in [(128, 512, 4), (64, 512, 4), (256, 512, 4), (512, 512, 4), (128, 1024, 4), (128, 1024, 8),
                       (128, 256, 2), (128, 256, 1), (256, 256, 2), (128, 512, 8), (128, 128, 1), (64, 256, 2)]:
-        ms = _timed({"K3_CONV_BWDW_R": str(r), "K3_CONV_BWDW_BC": str(bc), "K3_CONV_BWDW_WARPS": str(wp)}, both)
-        gbs = f"{2.5 * nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
-        print(row.format("window", "fwd+bwd", r, bc, wp, "-", ms, gbs), flush=True)
+        env = {"K3_CONV_BWDW_R": str(r), "K3_CONV_BWDW_BC": str(bc), "K3_CONV_BWDW_WARPS": str(wp)}
+        print(row.format("window", "fwd+bwd", r, bc, wp, "-", *_timed(env, both, 2.5 * nbytes)), flush=True)
     for dz, (bt, bc, wp) in [("half", (64, 128, 4)), ("fp32", (64, 128, 4)), ("half", (32, 128, 4)), ("half", (64, 64, 4))]:
-        ms = _timed({"K3_CONV": "tiles", "K3_CONV_DZ": dz, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
-                     "K3_CONV_BWD_WARPS": str(wp)}, both)
-        gbs = f"{2.5 * nbytes / float(ms) / 1e6:,.0f}" if ms[0].isdigit() else ""
-        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, ms, gbs), flush=True)
+        env = {"K3_CONV": "tiles", "K3_CONV_DZ": dz, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
+               "K3_CONV_BWD_WARPS": str(wp)}
+        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, *_timed(env, both, 2.5 * nbytes)), flush=True)
 
 
 if __name__ == "__main__":
