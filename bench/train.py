@@ -34,6 +34,7 @@ from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.model.fused import TRITON_BY_DEFAULT
+from k3.ops.triton_utils import env_flag
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 from k3.train import flops as train_flops
 
@@ -79,7 +80,7 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     "triton" / "inductor" (unset: inductor); doc_mean > 0: documents of random lengths (that mean) in
     the rows."""
     model.set_kda_backend(backend)
-    step_weights = os.environ.get("K3_BENCH_STEP_WEIGHTS", "1") == "1"  # 0: autograd's per-micro-batch casts
+    step_weights = env_flag("K3_BENCH_STEP_WEIGHTS", True)  # 0: autograd's per-micro-batch casts
     model.model.fp32_embeddings = embed == "fp32"
     regions = {var: (regions or {}).get(var, "inductor") for _, var, _ in REGIONS}
     os.environ.update(regions)
