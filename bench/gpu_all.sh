@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step ncuconv
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step ncuconv gaps
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -115,6 +115,11 @@ for s in $sections; do
         grep -E "^  _short|^  _conv|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Achieved Occupancy|Registers Per|Mem Busy|Max Bandwidth|Issue Slots Busy" \
           "$OUT/ncuconv_$rw.txt" | head -60
       done ;;
+    gaps)  # where the GPU idles in a compiled k3-small micro-batch (bench/gaps.py): gaps between kernels charged
+      # to the host code launching after them, plus host calls that block
+      python bench/profile_step.py --phases train --compile --tokens 65536 --gaps --rows ${GAP_ROWS:-40} 2>&1 | quiet \
+        > "$OUT/gaps.txt"
+      grep -E "without the profiler" "$OUT/gaps.txt"; sed -n "/^## device gaps/,\$p" "$OUT/gaps.txt" | head -60 ;;
     groupedmm)  # the routed experts' five grouped GEMMs in alternative operand layouts (k3-small, 64K tokens)
       python bench/grouped_mm.py 2>&1 | quiet > "$OUT/groupedmm.txt"
       grep -E "^\||^#" "$OUT/groupedmm.txt" ;;
@@ -128,7 +133,7 @@ for s in $sections; do
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

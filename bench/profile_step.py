@@ -6,14 +6,17 @@
 Prints, per phase, wall time (with and without the profiler), the summed device-kernel time (if
 wall and kernels differ a lot the phase is bound by host overhead, not by the GPU) and the top
 operators by self device time; `--host` adds them by host time, `--by-shape` by input shapes,
-`--trace DIR` writes a Chrome/Perfetto timeline per phase.
+`--trace DIR` writes a Chrome/Perfetto timeline per phase, `--gaps` charges the GPU's idle gaps to
+the host code that launched the kernel after each (`bench/gaps.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -82,7 +85,7 @@ def _report_by_node(name: str, prof, device: torch.device, rows: int) -> None:
 
 
 def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool = False, host: bool = False,
-                  trace: str | None = None, nodes: bool = False) -> None:
+                  trace: str | None = None, nodes: bool = False, gaps: bool = False) -> None:
     fn()
     _sync(device)  # warm-up (Triton compiles, allocator)
     t0 = time.perf_counter()
@@ -99,6 +102,15 @@ def profile_phase(name: str, fn, device: torch.device, rows: int, by_shape: bool
     if trace:  # a Chrome / Perfetto timeline: where the GPU waits on the host, kernel by kernel
         prof.export_chrome_trace(trace)
         print(f"trace: {trace}")
+    if gaps and device.type == "cuda":
+        from bench.gaps import analyse, print_report
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = trace or os.path.join(tmp, "trace.json")
+            if not trace:
+                prof.export_chrome_trace(path)
+            with open(path) as f:
+                print_report(analyse(json.load(f)), rows)
     _report(name, prof, wall, device, rows)
     if by_shape:
         _report(name + " (by input shape)", prof, wall, device, rows, by_shape=True)
@@ -135,6 +147,8 @@ def main() -> None:
     ap.add_argument("--by-node", action="store_true",
                     help="train phase: also a table of operator time per autograd node (who causes each add_ / cat)")
     ap.add_argument("--trace", default=None, help="folder for a Chrome trace (.json) of each phase")
+    ap.add_argument("--gaps", action="store_true",
+                    help="CUDA: idle gaps between kernels charged to the host code launching after them")
     args = ap.parse_args()
     device = torch.device(args.device)
     preset = "k3-tiny" if args.tiny else args.preset
@@ -171,11 +185,12 @@ def main() -> None:
         # call, so the profiled forward+backward is a micro-batch after a step's first
         with model.step_weights():
             profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device,
-                          args.rows, args.by_shape, args.host, _trace_path(args.trace, "train"), args.by_node)
+                          args.rows, args.by_shape, args.host, _trace_path(args.trace, "train"), args.by_node,
+                          args.gaps)
     if "optim" in phases:
         fwd_bwd()
         profile_phase("optimizer step (Per-Head Muon + AdamW)", opt.step, device, args.rows,
-                      trace=_trace_path(args.trace, "optim"))
+                      trace=_trace_path(args.trace, "optim"), gaps=args.gaps)
     opt.zero_grad(set_to_none=True)
     if "decode" in phases:
         from k3.serve.engine import Engine, EngineConfig

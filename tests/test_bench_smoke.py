@@ -67,3 +67,34 @@ def test_kernel_resources_offline():
     rows = [line for line in r.stdout.splitlines() if line.startswith("| _situ_")]
     assert {row.split("|")[1].strip() for row in rows} == {"_situ_fwd", "_situ_bwd"}
     assert all(16 <= int(row.split("|")[6]) <= 255 for row in rows)  # registers per thread
+
+
+def test_gap_report_charges_idle_time_to_the_launching_op():
+    """bench/gaps.py: device idle time between kernels is charged to the autograd node and innermost
+    operator around the launch that ended the gap; late launches and long blocking calls are flagged."""
+    from bench.gaps import analyse
+
+    def x(cat, name, ts, dur, tid=1, pid=0, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": tid}
+        if corr is not None:
+            e["args"] = {"correlation": corr}
+        return e
+
+    node = "autograd::engine::evaluate_function: MmBackward0"
+    ev = [
+        x("cpu_op", "aten::mm", 0, 10), x("cuda_runtime", "cudaLaunchKernel", 1, 2, corr=1),
+        x("cpu_op", node, 20, 1000, tid=2), x("cpu_op", "aten::mm", 30, 20, tid=2),
+        x("cuda_runtime", "cudaLaunchKernel", 35, 2, tid=2, corr=2),
+        x("cpu_op", "aten::copy_", 60, 900, tid=2), x("cuda_runtime", "cudaStreamSynchronize", 61, 800, tid=2),
+        x("cuda_driver", "cuLaunchKernelEx", 870, 3, tid=2, corr=3),
+        x("kernel", "gemm", 5, 40, pid=9, tid=7, corr=1),      # 5..45
+        x("kernel", "gemm2", 40, 10, pid=9, tid=8, corr=2),    # overlaps: no gap
+        x("kernel", "triton_k", 900, 10, pid=9, tid=7, corr=3),  # gap 50..900, launched late at 870
+    ]
+    rep = analyse({"traceEvents": ev})
+    assert rep.kernels == 3
+    assert abs(rep.busy_ms - 0.055) < 1e-9 and abs(rep.idle_ms - 0.850) < 1e-9
+    assert abs(rep.span_ms - 0.905) < 1e-9
+    row = rep.rows[("MmBackward0", "aten::copy_")]
+    assert row.gaps == 1 and row.late == 1 and abs(row.ms - 0.85) < 1e-9
+    assert rep.blocking == [(0.8, "cudaStreamSynchronize", "MmBackward0 / aten::copy_")]
