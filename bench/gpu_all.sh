@@ -31,7 +31,7 @@ for s in $sections; do
     step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (env switches before the call for an A/B)
       python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum ${STEP_ACCUM:-8} \
         2>&1 | quiet > "$OUT/step.txt"
-      grep -E "^\|" "$OUT/step.txt" ;;
+      grep -E "^\||^# T" "$OUT/step.txt" ;;
     serve)
       { python bench/serve.py --which decode,agentic --compile --markdown
         python bench/mla_decode.py; } 2>&1 | quiet > "$OUT/serve.txt"

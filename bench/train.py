@@ -95,14 +95,21 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
     step_t, opt_t = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    cuda = device.type == "cuda"
+    mb_ms: list[list[float]] = []  # device time of each micro-batch (CUDA events), per timed step
     for i in range(steps + 2):  # two warm-up steps
         sync(device)
         t0 = time.perf_counter()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(accum + 1)] if cuda else []
         with model.step_weights() if step_weights else contextlib.nullcontext():  # as `k3 train` on one GPU
-            for _ in range(accum):
+            for j in range(accum):
+                if marks:
+                    marks[j].record()
                 with amp:
                     loss = model(ids[:, :-1], labels=ids[:, 1:], cu_seqlens=cu, return_logits=False).loss
                 (loss / accum).backward()
+            if marks:
+                marks[accum].record()
         sync(device)
         t1 = time.perf_counter()
         opt.step()
@@ -112,6 +119,15 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
         if i >= 2:
             step_t.append(t2 - t0)
             opt_t.append(t2 - t1)
+            if marks:
+                mb_ms.append([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
+    if mb_ms:  # where a step's time goes: first micro-batch (expert weight copies, fresh .grad), the rest, the rest of the step
+        first = sorted(m[0] for m in mb_ms)[len(mb_ms) // 2]
+        rest = sorted(x for m in mb_ms for x in m[1:]) or [float("nan")]
+        print(f"# T {seq_len} x {accum}: micro-batch ms (device events, median) first {first:.1f}, others "
+              f"{rest[len(rest) // 2]:.1f} (min {rest[0]:.1f}, max {rest[-1]:.1f}); step {sorted(step_t)[len(step_t) // 2] * 1e3:.1f} "
+              f"= micro-batches {sorted(sum(m) for m in mb_ms)[len(mb_ms) // 2]:.1f} + optimizer "
+              f"{sorted(opt_t)[len(opt_t) // 2] * 1e3:.1f} + the rest", flush=True)
     step = sorted(step_t)[len(step_t) // 2]
     muon = sorted(opt_t)[len(opt_t) // 2]
     tok_s = accum * B * seq_len / step
