@@ -28,9 +28,9 @@ for s in $sections; do
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
-    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (env switches before the call for an A/B)
+    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (env switches before the call for an A/B; STEP_ARGS: more bench/train.py flags)
       python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum ${STEP_ACCUM:-8} \
-        2>&1 | quiet > "$OUT/step.txt"
+        ${STEP_ARGS:-} 2>&1 | quiet > "$OUT/step.txt"
       grep -E "^\||^# T" "$OUT/step.txt" ;;
     serve)
       { python bench/serve.py --which decode,agentic --compile --markdown

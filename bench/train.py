@@ -179,6 +179,8 @@ def main() -> None:
                     help="documents of random lengths with this mean (tokens) packed in the rows, as real corpora "
                          "give (MLA then attends per document; FLOPs counted per document); 0 = one per row")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
+    ap.add_argument("--lr", type=float, default=1e-3,
+                    help="optimizer learning rate (0: the weights, so the routing, stay as initialised)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -191,7 +193,7 @@ def main() -> None:
     if args.compile:
         compile_model(model, backend=args.compile_backend, dynamic=False)  # as `k3 train`: one compile per shape
     geom = HeadGeometry.from_config(model.config.text_config)
-    opt = PerHeadMuon(build_param_groups(model, geom, lr=1e-3, weight_decay=0.1))
+    opt = PerHeadMuon(build_param_groups(model, geom, lr=args.lr, weight_decay=0.1))
     total, active = model.num_parameters()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# {preset}: {total / 1e9:.3f}B total, {active / 1e9:.3f}B active; {name}; torch {torch.__version__}; "
