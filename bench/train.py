@@ -15,7 +15,7 @@ FLOPs per token (training = 3 x forward), counted from the config with the spec'
     MLA      per layer 2 * H * (qk_dim + v_dim) * T / 2          (causal average over the context;
                                                                   per document with --doc-mean)
     KDA      per layer H * (6 * K^2 + 3 * C * K + C^2), C = 64     (chunked kernels, K = V)
-Variants (--embed-dtype, --situ, --attnres, --combine, --route, --ce) run in one process after the default, with a
+Variants (--embed-dtype, --situ, --attnres, --combine, --route, --ce, --mlakv) run in one process after the default, with a
 speed-vs-default column; --doc-mean packs documents of random lengths as a real corpus does.
 (Before 2026-12-01 06:30 UTC the KDA term was 2 * H * (4 * K * V + C * (K + V)): 0.54% more FLOPs per
 token for k3-small at T 8192, so the MFU values measured earlier are that much higher.)
@@ -69,7 +69,7 @@ def document_offsets(rows: int, seq_len: int, mean_len: int, seed: int = 0) -> t
 # (flag, env var read by k3.model.fused, table column) of the regions with a Triton and a torch version
 REGIONS = (("--situ", "K3_SITU", "SiTU"), ("--attnres", "K3_ATTNRES", "AttnRes"), ("--combine", "K3_COMBINE", "combine"),
            ("--dispatch", "K3_DISPATCH", "dispatch"), ("--route", "K3_ROUTE", "routing"),
-           ("--ce", "K3_CE", "loss"))
+           ("--ce", "K3_CE", "loss"), ("--mlakv", "K3_MLAKV", "MLA k/v"))
 
 
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,

@@ -14,7 +14,7 @@ def test_bench_train_tiny_cpu():
                         "--seq-lens", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     # six region columns (SiTU, AttnRes, combine, dispatch, routing, loss); 4 rows of 64 = 4 documents
-    assert "| torch | bf16 |" + " inductor |" * 6 + " 4 | 64 |" in r.stdout
+    assert "| torch | bf16 |" + " inductor |" * 7 + " 4 | 64 |" in r.stdout
 
 
 def test_bench_serve_tiny_decode_cpu():

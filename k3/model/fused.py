@@ -32,6 +32,7 @@ from torch import Tensor
 
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
 from k3.ops.cross_entropy import linear_cross_entropy
+from k3.ops.mla_kv import mla_expand_kv, mla_kv_reference
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.router import router_logits
@@ -386,7 +387,7 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 
 # regions whose Triton kernels were timed faster than the torch regions in the training step (H200,
 # docs/benchmarks.md)
-TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE")
+TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE", "K3_MLAKV")
 
 
 def plain_weight(w: Tensor) -> bool:
@@ -396,7 +397,7 @@ def plain_weight(w: Tensor) -> bool:
 
 
 def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE) picks a region's training
+    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE, K3_MLAKV) picks a region's training
     implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
     autograd (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference,
     where serving keeps its compiled graphs). "triton": the kernels, also under the interpreter;
@@ -507,6 +508,15 @@ class Kernels:
         else:
             mix, carried = _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
         return (mix if norm is None else norm(mix)), carried
+
+    def mla_kv(self, kv: Tensor, k_pe: Tensor, num_heads: int, nope: int, v_dim: int) -> tuple[Tensor, Tensor]:
+        """MLA's keys [..., H, nope + rope] and values [..., H, v_dim] from kv_b_proj's output kv [..., H *
+        (nope + v_dim)] and the shared k_pe [..., rope]: the Triton kernels of `k3.ops.mla_kv` when training on
+        CUDA (env K3_MLAKV, see `_triton_choice`: one pass each way, where the split / expand / cat's backward
+        reads the gradients twice), else the spec's torch ops."""
+        if kv.dim() == 3 and _triton_choice("K3_MLAKV", kv):
+            return mla_expand_kv(kv, k_pe, num_heads=num_heads, nope=nope, v_dim=v_dim)
+        return mla_kv_reference(kv, k_pe, num_heads, nope, v_dim)
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
               ) -> tuple[Tensor, Tensor, Tensor]:

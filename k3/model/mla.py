@@ -58,16 +58,20 @@ class GatedMLA(nn.Module):
 
     def _latent(self, x: torch.Tensor) -> torch.Tensor:
         """[latent normalised (kv_lora_rank) | k_pe (rope)] per token: what the cache stores."""
+        return torch.cat(self._latent_parts(x), dim=-1)
+
+    def _latent_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent normalised [..., kv_lora_rank], k_pe [..., rope]): `_latent` before its concatenation."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+        return self.kv_a_layernorm(c), k_pe
 
     def _expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [..., S, kv_lora+rope] -> keys [..., S, H, nope+rope], values [..., S, H, v]."""
-        c, k_pe = lat.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, self.nope + self.v_dim))
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(-2).expand(*k_pe.shape[:-1], self.num_heads, self.rope)], dim=-1)
-        return k, v
+        return self._expand_parts(*lat.split([self.kv_lora_rank, self.rope], dim=-1))
+
+    def _expand_parts(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_expand` of the latent's two parts (c [..., S, kv_lora], k_pe [..., S, rope])."""
+        return self.kernels.mla_kv(self.kv_b_proj(c), k_pe, self.num_heads, self.nope, self.v_dim)
 
     def _out(self, x: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """attn [B, T, H, v] -> gate -> o_proj [+ residual, inside the GEMM]."""
@@ -81,11 +85,11 @@ class GatedMLA(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
-        q, lat = self._q(x), self._latent(x)
-        if cache is None:
-            k, v = self._expand(lat)
+        q = self._q(x)
+        if cache is None:  # the latent's parts go straight to the expansion (no concatenation to split again)
+            k, v = self._expand_parts(*self._latent_parts(x))
             return self._out(x, self._attend_packed(q, k, v, layout), residual)
-        return self._out(x, self._attend_cached(q, lat, layout, cache), residual)
+        return self._out(x, self._attend_cached(q, self._latent(x), layout, cache), residual)
 
     # -- attention without a cache -------------------------------------------------------------
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:

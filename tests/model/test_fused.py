@@ -392,14 +392,14 @@ def _autocast(fn):
 
 
 def test_triton_regions_are_the_cuda_training_default(monkeypatch):
-    """Unset K3_SITU / K3_ATTNRES / K3_COMBINE / K3_DISPATCH / K3_ROUTE / K3_CE: the Triton kernels for CUDA tensors under autograd (timed
+    """Unset K3_SITU / K3_ATTNRES / K3_COMBINE / K3_DISPATCH / K3_ROUTE / K3_CE / K3_MLAKV: the Triton kernels for CUDA tensors under autograd (timed
     faster on an H200), the torch regions on CPU and in inference; the env forces either side."""
     from types import SimpleNamespace
 
     from k3.model.fused import TRITON_BY_DEFAULT, _triton_choice
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    assert set(TRITON_BY_DEFAULT) == {"K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE"}
+    assert set(TRITON_BY_DEFAULT) == {"K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE", "K3_MLAKV"}
     for var in TRITON_BY_DEFAULT:
         monkeypatch.delenv(var, raising=False)
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -402,3 +402,31 @@ def test_step_weights_model_grads_identical_cpu(checkpointing):
     assert a.keys() == b.keys() and any("experts.w1" in n for n in a)
     for n in a:
         assert torch.equal(a[n], b[n]), n
+
+
+def test_mla_triton_kv_expansion_equals_the_torch_path(monkeypatch):
+    """K3_MLAKV=triton (the CUDA training default; the Triton interpreter here): MLA's keys / values from
+    the k3.ops.mla_kv kernels give the layer's output and every gradient of the spec's split / expand /
+    cat, over packed documents of unequal lengths."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    cfg = k3_tiny().text_config
+    mla = GatedMLA(cfg, layer_idx=3)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layout = SeqLayout.build(1, 23, torch.tensor([0, 9, 10, 23], dtype=torch.int32), None, torch.device("cpu"))
+    x = torch.randn(1, 23, cfg.hidden_size)
+
+    def run(choice):
+        monkeypatch.setenv("K3_MLAKV", choice)
+        mla.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        out = mla(xi, layout)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        return out.detach(), xi.grad, {n: p.grad.clone() for n, p in mla.named_parameters()}
+
+    want, got = run("inductor"), run("triton")
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)  # k_pe's head sum: fp32, another order
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=1e-5, atol=1e-6, msg=n)
