@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.attn_res import MAX_CANDIDATES as MAXN  # the kernels' pointer slots
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.triton_utils import column_sum, cvt, env_tile
 
 TILE = (2, 1024, 4)  # rows, columns, warps per program: the fastest of bench/attn_res.py --sweep on an H200
 
@@ -250,8 +250,8 @@ class AttnResMix(torch.autograd.Function):
                           device=w.device)  # one row a program (w; the norm's weight)
         _launch(_attn_res_bwd, M, D, N, *_slots(flat), *_slots(grads), *_slots(inc or flat[:1]), go.contiguous(),
                 w, prs[0], prs[1], prs[2], gwp[0], mix, w2, rn, gwp[-1], M, D, HAS_IN=has_in, NORM=ctx.norm)
-        gw = gwp[0].sum(0)
+        gw = column_sum(gwp[0])
         g_norm = (gw * w_proj.float().reshape(-1)).to(w_norm.dtype).reshape(w_norm.shape)
         g_proj = (gw * w_norm.float()).to(w_proj.dtype).reshape(w_proj.shape)
-        g_w2 = gwp[1].sum(0).to(w2.dtype) if ctx.norm else None
+        g_w2 = column_sum(gwp[1]).to(w2.dtype) if ctx.norm else None
         return (g_norm, g_proj, None, None, g_w2, None, *[g.view(s) for g, s in zip(grads, ctx.shapes)])
