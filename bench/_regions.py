@@ -82,9 +82,9 @@ def start(doc: str, argv, var: str | tuple[str, ...], tiny_help: str,  # noqa: A
     """Flags (see `parse`), timer, and the compiled torch regions (Kernels) for the benchmark of region env
     `var` (or several): each is pinned to "inductor" so the rows that go through Kernels time the torch
     regions."""
+    args = parse(doc, argv, tiny_help, extra)  # first: it picks the Triton interpreter, read when k3's kernels are defined
     from k3.model.fused import Kernels
 
-    args = parse(doc, argv, tiny_help, extra)
     os.environ.update({v: "inductor" for v in ((var,) if isinstance(var, str) else var)})
     compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
     return args, timer(args.device), compiled

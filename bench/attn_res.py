@@ -50,6 +50,22 @@ def check(cands, w_norm, w_proj) -> None:
         raise SystemExit("AttnRes check FAILED")
 
 
+def partial_sums(args, bench) -> None:  # noqa: ANN001
+    """The backward's weight-gradient partials (one fp32 [D] row per 2-row program) summed over programs:
+    k3.ops.triton_utils.column_sum (the default) against torch's dim-0 reduction."""
+    from k3.ops.triton_utils import column_sum
+
+    P, D = (args.tokens // 2, 1024) if not args.tiny else (300, 96)
+    parts = torch.randn(P, D, device=args.device)
+    gb = P * D * 4 / 1e9
+    print(f"\n| partials [{P}, {D}] fp32 summed over rows | ms | GB/s | roof |\n|---|---:|---:|---:|")
+    for name, fn in (("column_sum (Triton, two passes)", lambda: column_sum(parts)), ("torch sum(0)", lambda: parts.sum(0))):
+        ms = bench(fn)
+        print(f"| {name} | {ms:.4f} | {gb / ms * 1e3:,.0f} | {gb / ms * 1e3 / 4300:.2f} |")
+    err = (column_sum(parts).double() - parts.double().sum(0)).abs().max().item()
+    print(f"check: column_sum vs float64 max abs error {err:.2e}")
+
+
 def main(argv=None) -> int:
     args, bench, compiled = start(__doc__, argv, "K3_ATTNRES", "small shapes")
     from k3.model.fused import EAGER
@@ -76,6 +92,7 @@ def main(argv=None) -> int:
             sweep("K3_ATTNRES", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),
                                                        (4, 1024, 8), (2, 1024, 4), (16, 128, 4), (32, 128, 8)],
                   lambda: fn(cands, w_norm, w_proj).backward(go), leaves, fwd_bytes + bwd_bytes, bench)
+    partial_sums(args, bench)
     header("Block-AttnRes mix + RMSNorm, bf16", "candidates x [M, D]", args.device)
     for n, M, D in shapes[:-1] if not args.tiny else shapes:
         cands, w_norm, w_proj = inputs(n, M, D, args.device)
