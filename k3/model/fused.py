@@ -483,12 +483,15 @@ class Kernels:
         return self._attn_res(cands, w_norm, w_proj, eps, 0, norm)[0]
 
     def attn_res_bank(self, bank: list[Tensor], prefix: Tensor, w_norm: Tensor, w_proj: Tensor, eps: float,
-                      norm: torch.nn.Module | None = None) -> tuple[Tensor, list[Tensor]]:
-        """`attn_res` over bank + [prefix] -> (mix, the bank to pass on). On the Triton path the bank comes
-        back as pass-through views (`attn_res_mix(carry=...)`): each bank entry then has one consumer
-        per mix in a chain, and its gradients from all later mixes are summed inside the backward
-        kernels, not by autograd's separate add passes. Elsewhere the bank is returned as given."""
-        return self._attn_res(bank + [prefix], w_norm, w_proj, eps, len(bank), norm)
+                      norm: torch.nn.Module | None = None) -> tuple[Tensor, list[Tensor], Tensor]:
+        """`attn_res` over bank + [prefix] -> (mix, the bank to pass on, the prefix to use from here on).
+        On the Triton path bank and prefix come back as pass-through views (`attn_res_mix(carry=...)`):
+        each bank entry then has one consumer per mix in a chain, and the prefix one consumer (its
+        residual add, or the bank at a block boundary) besides this mix, so the gradients from those
+        uses are summed inside the backward kernels, not by autograd's separate add passes. Elsewhere
+        bank and prefix are returned as given."""
+        mix, carried = self._attn_res(bank + [prefix], w_norm, w_proj, eps, len(bank) + 1, norm)
+        return mix, carried[:-1], carried[-1]
 
     def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int,
                   norm: torch.nn.Module | None) -> tuple[Tensor, list[Tensor]]:
@@ -497,7 +500,7 @@ class Kernels:
         Triton path with env K3_ATTNRES_NORM=1 its maths runs inside the mix's kernels instead
         (`attn_res_mix(norm_weight=...)`; the module itself is not called then)."""
         if len(cands) == 1:
-            mix, carried = cands[0], []
+            mix, carried = cands[0], cands[:carry]
         elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
             fused = norm is not None and env_flag("K3_ATTNRES_NORM", False)
             out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight if fused else None,

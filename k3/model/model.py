@@ -67,19 +67,19 @@ class DecoderLayer(nn.Module):
         bank: completed block sums [B, T, d] each; prefix: running sum of the current block.
         Returns the updated (bank, prefix).
         """
-        h, bank = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj,
-                            self.input_layernorm)
+        h, bank, prefix = self._mix(bank, prefix, self.self_attention_res_norm, self.self_attention_res_proj,
+                                    self.input_layernorm)
         if self.layer_idx % self.block_size == 0:  # block boundary: bank the prefix, restart it at 0
             bank, prefix = bank + [prefix], self.self_attn(h, layout, cache)
         else:  # prefix + attention, the sum inside the output projection's GEMM
             prefix = self.self_attn(h, layout, cache, residual=prefix)
-        m, bank = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
+        m, bank, prefix = self._mix(bank, prefix, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         return bank, self.ffn(m, prefix)
 
     def _mix(self, bank, prefix, norm: ResVector, proj: ResVector, ln: RMSNorm | None = None
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(mix of bank + [prefix] [through the RMSNorm ln], the bank to use from here on: pass-through
-        views on the Triton path, whose kernels may also apply ln: `Kernels.attn_res_bank`)."""
+             ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """(mix of bank + [prefix] [through the RMSNorm ln], the bank and the prefix to use from here on:
+        pass-through views on the Triton path, whose kernels may also apply ln: `Kernels.attn_res_bank`)."""
         return self.kernels.attn_res_bank(bank, prefix, norm.weight, proj.weight, self.eps, ln)
 
 

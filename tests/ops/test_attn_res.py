@@ -88,7 +88,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="fp32"):
         attn_res_mix([c.double() for c in cands], w_norm, w_proj, 1e-5)
     with pytest.raises(ValueError, match="carry"):
-        attn_res_mix(cands, w_norm, w_proj, 1e-5, carry=3)
+        attn_res_mix(cands, w_norm, w_proj, 1e-5, carry=len(cands) + 1)
 
 
 def _mix_then_norm(cands, w_norm, w_proj, ln_w, eps=1e-5):
@@ -136,23 +136,27 @@ def test_fused_output_norm_bad_weight():
         attn_res_mix(cands, w_norm, w_proj, 1e-5, norm_weight=torch.ones(31, device=DEV))
 
 
-def _chain(mix, bank, prefixes, weights, carry):
+def _chain(mix, bank, prefixes, weights, carry, carry_prefix=False):
     """Mixes in a row over a growing bank, as the model runs them: bank + [prefix_j] for each j, the
-    bank passed on through the mixes' pass-through views when `carry`; loss = sum of the outputs."""
+    bank (with `carry_prefix` also the prefix) passed on through the mixes' pass-through views when
+    `carry`; each prefix is also used after its mix, as the model's residual add uses it; loss = sum of
+    the outputs and of those uses."""
     total = 0.0
     for j, (p, (wn, wp)) in enumerate(zip(prefixes, weights)):
         if carry:
-            out, bank = mix(bank + [p], wn, wp, 1e-5, carry=len(bank))
+            out, views = mix(bank + [p], wn, wp, 1e-5, carry=len(bank) + carry_prefix)
+            bank, p = (views[:-1], views[-1]) if carry_prefix else (views, p)
         else:
             out = mix(bank + [p], wn, wp, 1e-5)
-        total = total + (out.double() * (j + 1)).sum()
+        total = total + (out.double() * (j + 1)).sum() + (p.double() * (0.5 - j)).sum()
         if j == 1:
             bank = bank + [p]  # a block boundary: the prefix joins the bank mid-chain
     return total
 
 
+@pytest.mark.parametrize("carry_prefix", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_carried_bank_gradients_sum_in_the_kernel(dtype):
+def test_carried_bank_gradients_sum_in_the_kernel(dtype, carry_prefix):
     """A chain of mixes whose bank travels through pass-through views gives every bank entry, prefix
     and weight the gradient of the reference chain (each entry used by every later mix, autograd
     summing), and the views hold the bank's values."""
@@ -169,15 +173,15 @@ def test_carried_bank_gradients_sum_in_the_kernel(dtype):
         return ts[:2], ts[2:6], list(zip(ts[6::2], ts[7::2]))
 
     b, p, w = split(leaves)
-    _chain(attn_res_mix, b, p, w, carry=True).backward()
+    _chain(attn_res_mix, b, p, w, carry=True, carry_prefix=carry_prefix).backward()
     b, p, w = split(refs)
     _chain(lambda c, wn, wp, eps: attn_res_reference(c, wn, wp, eps), b, p, w, carry=False).backward()
     tol = TOL[dtype][1] * (4 if dtype == torch.bfloat16 else 1)
     for leaf, ref in zip(leaves, refs):
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
         assert (leaf.grad.double() - ref.grad).abs().max() <= tol * ref.grad.abs().max()
-    out, views = attn_res_mix(bank + prefixes[:1], *weights[0], 1e-5, carry=2)
-    assert len(views) == 2 and all(torch.equal(v, b) for v, b in zip(views, bank))
+    out, views = attn_res_mix(bank + prefixes[:1], *weights[0], 1e-5, carry=2 + carry_prefix)
+    assert len(views) == 2 + carry_prefix and all(torch.equal(v, b) for v, b in zip(views, bank + prefixes[:1]))
 
 
 def test_model_bank_chain_matches_the_torch_regions(monkeypatch):

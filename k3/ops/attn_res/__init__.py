@@ -27,9 +27,10 @@ def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.
         cands: 2 <= n <= MAX_CANDIDATES tensors of one shape [..., d], fp32 / bf16 / fp16 (each its own dtype).
         w_norm: [d]; w_proj: [d] or [1, d] (any float dtype; the maths is fp32).
         eps: the RMS epsilon.
-        carry: 0 <= carry < n. With carry > 0 the call also returns pass-through views of cands[:carry]
-            (same values): give those, not the originals, to the next mix, and the gradients every later
-            mix sends them are summed inside this mix's backward kernel instead of by autograd.
+        carry: 0 <= carry <= n. With carry > 0 the call also returns pass-through views of cands[:carry]
+            (same values): give those, not the originals, to their other consumers (the next mix; with
+            carry = n also the running prefix's residual add), and the gradients those send them are
+            summed inside this mix's backward kernel instead of by autograd's separate add passes.
         norm_weight: [d] or None. Given, the output is the mix through KimiRMSNorm (normalised in fp32,
             rounded to the mix's dtype, times norm_weight, rounded again; `k3.model.common.rms_norm`)
             with norm_eps, in the same kernels: the mix itself is written once for the backward but
@@ -50,8 +51,8 @@ def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.
         raise ValueError(f"w_norm / w_proj must have {d} elements, got {w_norm.numel()} / {w_proj.numel()}")
     if any(not c.is_floating_point() or c.dtype == torch.float64 for c in cands):
         raise ValueError(f"candidates must be fp32 / bf16 / fp16, got {[c.dtype for c in cands]}")
-    if not 0 <= carry < len(cands):
-        raise ValueError(f"carry must be in [0, {len(cands)}), got {carry}")
+    if not 0 <= carry <= len(cands):
+        raise ValueError(f"carry must be in [0, {len(cands)}], got {carry}")
     if norm_weight is not None and (norm_weight.dim() != 1 or norm_weight.numel() != d
                                     or not norm_weight.is_floating_point()):
         raise ValueError(f"norm_weight must be a float vector [{d}], got {norm_weight.dtype} "

@@ -211,10 +211,10 @@ def _slots(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 class AttnResMix(torch.autograd.Function):
     """cands: n tensors [..., D] (2 <= n <= MAXN, same shape) -> mix in cands[-1]'s dtype, followed by
-    `carry` pass-through views of cands[:carry]: the next mix takes those instead of the originals, so
-    each candidate has one consumer and its gradients from every later mix are summed inside this
-    backward kernel (one read of the incoming gradient) rather than by autograd (a separate
-    read-read-write add per extra consumer)."""
+    `carry` (<= n) pass-through views of cands[:carry]: the next mix (and, for the running prefix, its
+    residual add) takes those instead of the originals, so each candidate has one consumer and the
+    gradients from its other uses are summed inside this backward kernel (one read of the incoming
+    gradient) rather than by autograd (a separate read-read-write add per extra consumer)."""
 
     @staticmethod
     def forward(ctx, w_norm, w_proj, eps, carry, norm_w, norm_eps, *cands):  # noqa: ANN001 - autograd signature
