@@ -45,7 +45,9 @@ def cvt(x, dt: tl.constexpr):
         if dt == tl.bfloat16:
             u = x.to(tl.float32).to(tl.uint32, bitcast=True)
             u = u + 0x7FFF + ((u >> 16) & 1)
-            return u.to(tl.float32, bitcast=True).to(dt)
+            # the bf16 is the high half, taken as bits: no float conversion by the interpreter, which
+            # mangles zeros and denormals (0.0 came out as 1.2e-38, denormals flushed)
+            return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return x.to(dt)
     else:

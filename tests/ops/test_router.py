@@ -100,3 +100,27 @@ def test_cuda_matches_fp32_gemm():
     # 9.1e-6 on the H200 (2026-12-01) against 8.1e-7 for cuBLAS's fp32 GEMM, both far below bf16's 4e-3
     assert errs["dw"][0] < 2e-5, errs
     assert errs["dx"][0] < 4e-3, errs
+
+
+@pytest.mark.parametrize("N,E", [(1, 3), (77, 64), (130, 20)])
+def test_triton_grad_split_equals_the_torch_split(monkeypatch, N, E):
+    """The backward's operand split as one Triton kernel (the interpreter here) gives the torch split's bits,
+    including values whose rounding ties and tiny / huge magnitudes; and the whole backward agrees."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from k3.ops.router import split2
+    from k3.ops.router.triton_split import router_grad_split
+
+    g = torch.randn(N, E, generator=torch.Generator().manual_seed(N)) * torch.logspace(-30, 30, E)
+    g[0, 0] = 1.0 + 2.0 ** -8  # a tie: rounds to even
+    a, gp = router_grad_split(g)
+    hi, lo = split2(g)
+    assert torch.equal(a, torch.cat([hi, hi, lo], dim=1))
+    assert torch.equal(gp, split3(g.t().contiguous()).reshape(3 * E, N))
+    x = torch.randn(N, 32).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(E, 32) * 0.05).requires_grad_()
+    router_logits(x, w).backward(g)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch split on the CPU
+    x.grad = w.grad = None
+    router_logits(x, w).backward(g)
+    assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)

@@ -21,6 +21,8 @@ exact products are formed in fp32 (`a.float() @ b.float()`), so the splitting is
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -69,15 +71,20 @@ class _RouterLogits(torch.autograd.Function):
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None]:  # noqa: ANN001
         x, parts = ctx.saved_tensors
         E = parts.shape[1]
-        g = g.float()
+        g = g.float().contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if g.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+            from k3.ops.router.triton_split import router_grad_split
+
+            a, gp = router_grad_split(g)  # one kernel: both operands, the torch split's bits
+        else:
             g_hi, g_lo = split2(g)
             a = torch.cat([g_hi, g_hi, g_lo], dim=1)  # [N, 3E]
+            gp = split3(g.t().contiguous()).reshape(3 * E, -1)  # [3E, N]
+        if ctx.needs_input_grad[0]:
             b = torch.cat([parts[0], parts[1], parts[0]], dim=0)  # [3E, d]
             dx = mm_bf16(a, b)  # x is bf16 on this path
         if ctx.needs_input_grad[1]:
-            gp = split3(g.t().contiguous()).reshape(3 * E, -1)  # [3E, N]
             d3 = mm_f32(gp, x).reshape(3, E, -1)
             dw = d3[0] + (d3[1] + d3[2])
         return dx, dw
