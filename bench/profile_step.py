@@ -181,7 +181,7 @@ def main() -> None:
         loss.backward()
 
     if "train" in phases:
-        # inside one step_weights() as `k3 train` on one GPU: the expert weight copies come from the warm-up
+        # inside one step_weights() as `k3 train` on one GPU: the weights' bf16 copies come from the warm-up
         # call, so the profiled forward+backward is a micro-batch after a step's first
         with model.step_weights():
             profile_phase(f"{preset} forward+backward, {B}x{T} tokens, {len(cu) - 1} documents", fwd_bwd, device,

@@ -16,8 +16,8 @@ from k3.model.cache import HybridCache
 from k3.model.common import KEEP_FP32
 from k3.model.fused import plain_weight
 from k3.model.kda import KDAttention
-from k3.model.moe import RoutedExperts
 from k3.model.model import K3Model, ResVector
+from k3.model.step_weights import StepLinear
 from k3.model.vision import MoonViTEncoder, VisionConfig
 from k3.ops.cross_entropy.logprobs import linear_token_logprobs
 from k3.ops.cross_entropy.reference import IGNORE_INDEX
@@ -45,7 +45,7 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         tc = config.text_config
         self.model = K3Model(tc)
-        self.lm_head = nn.Linear(tc.hidden_size, tc.vocab_size, bias=False)
+        self.lm_head = StepLinear(tc.hidden_size, tc.vocab_size)
         # Internal names `vision.vision_tower.*` / `vision.mm_projector.*`; the checkpoint adapter
         # writes them as the official `vision_tower.*` / `mm_projector.*`.
         self.vision: MoonViTEncoder | None = None
@@ -175,19 +175,24 @@ class K3ForCausalLM(nn.Module):
     @contextlib.contextmanager
     def step_weights(self) -> Iterator[None]:
         """Context for one optimizer step's micro-batches (forward + backward each) in single-process
-        training: the routed experts' compute-dtype weight copies are made once and shared, and their
-        gradients are added straight into the fp32 `.grad` (see `k3.model.moe._StepExpertWeights`). Leave
-        it before the optimizer changes the weights. Not for FSDP / expert-parallel models, whose gradient
-        hooks would not see those gradients."""
-        experts = [m for m in self.modules() if isinstance(m, RoutedExperts)]
-        if any(m.step_cache is not None for m in experts):
+        training: the compute-dtype copies of the weights the training GEMMs use (the routed experts always;
+        under autocast every dense projection, concatenated groups included, and the lm_head when the loss
+        goes through the module, not the fused loss of `Kernels.lm_loss`, which casts inside and returns
+        an fp32 gradient) are made once and shared, and their gradients are added straight into the
+        fp32 `.grad` (see `k3.model.step_weights`). Leave it before the optimizer changes the weights. Not
+        for FSDP / expert-parallel models, whose gradient hooks would not see those gradients.
+
+        Every module that declares `step_cache` (RoutedExperts, StepLinear, GLUMLP, KDAttention) gets its
+        own empty cache here; all are dropped on exit, so the copies live for one step."""
+        mods = [m for m in self.modules() if hasattr(m, "step_cache")]
+        if any(m.step_cache is not None for m in mods):
             raise RuntimeError("step_weights() is already active (nested steps would share stale weights)")
-        for m in experts:
+        for m in mods:
             m.step_cache = {}
         try:
             yield
         finally:
-            for m in experts:
+            for m in mods:
                 m.step_cache = None
 
     def new_cache(self, num_seqs: int, *, capacity: int = 256, absorb_mla: bool = True) -> HybridCache:

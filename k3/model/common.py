@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3.model.fused import EAGER, Kernels, linear_multi
+from k3.model.step_weights import StepCache, StepLinear, gemm_weight
 
 KEEP_FP32 = "_k3_keep_fp32"
 
@@ -65,31 +66,35 @@ class GLUMLP(nn.Module):
     """gate/up/down MLP with the SiTU (or SiLU) GLU: the dense layer-0 MLP and the fused shared experts.
 
     While training, gate and up run as one GEMM against the concatenated weights and the activation
-    reads its packed output (Kernels.glu_packed); the parameters stay separate (checkpoint names)."""
+    reads its packed output (Kernels.glu_packed); the parameters stay separate (checkpoint names). Inside
+    `K3ForCausalLM.step_weights()` the concatenation (and down's weight) is the step's shared compute-dtype
+    copy (`k3.model.step_weights`)."""
 
     kernels: Kernels = EAGER
 
     def __init__(self, hidden: int, inter: int, act: str, beta: float, beta_lin: float) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = StepLinear(hidden, inter)
+        self.up_proj = StepLinear(hidden, inter)
+        self.down_proj = StepLinear(inter, hidden)
         self.act, self.beta, self.beta_lin = act, beta, beta_lin
+        self.step_cache: StepCache | None = None  # gate|up's step copy: set by K3ForCausalLM.step_weights()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., hidden] -> down(GLU(gate x, up x)) [..., hidden], plus `residual` (same shape) if given,
         added inside the down projection's GEMM (`linear_residual`)."""
         if torch.is_grad_enabled():  # one GEMM; the activation's gradient comes back as one tensor
-            ab = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+            ab = F.linear(x, gemm_weight(self.step_cache, (self.gate_proj.weight, self.up_proj.weight)))
             h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
         else:
             a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
             h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
-        return linear_residual(h, self.down_proj.weight, residual)
+        return linear_residual(h, self.down_proj.gemm_weight(), residual)
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """residual + x @ weight^T (x [..., k], weight [n, k], residual [..., n] or None -> [..., n]).
+    """residual + x @ weight^T (x [..., k], weight [n, k], residual [..., n] or None -> [..., n]). weight: a
+    parameter, or inside `K3ForCausalLM.step_weights()` its shared compute-dtype copy (`StepLinear.gemm_weight`).
 
     With a residual of x's dtype the sum runs in the GEMM's epilogue (addmm: fp32 accumulator plus the
     residual, rounded once) instead of a separate add that reads two [..., n] tensors and writes one (k3-small:

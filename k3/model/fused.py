@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3.model.step_weights import StepCache, gemm_weight
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
 from k3.ops.cross_entropy import linear_cross_entropy
 from k3.ops.mla_kv import mla_expand_kv, mla_kv_reference
@@ -338,16 +339,18 @@ class _Dispatch(torch.autograd.Function):
         return ctx.kern.gather_sum(g, inv, ctx.k), None, None, None, None
 
 
-def linear_multi(x: Tensor, groups: list[list[Tensor]]) -> list[Tensor]:
+def linear_multi(x: Tensor, groups: list[list[Tensor]], step_cache: StepCache | None = None) -> list[Tensor]:
     """For each group of weights [W_1, ..., W_m], x @ [W_1; ...; W_m]^T (no biases), i.e. the group's
     outputs side by side. While training this is one GEMM against all weights concatenated, split once
-    (its backward is one cat): one input-gradient GEMM, no accumulation passes over x's gradient.
+    (its backward is one cat): one input-gradient GEMM, no accumulation passes over x's gradient; with the
+    caller's `step_cache` inside `K3ForCausalLM.step_weights()` the concatenation is the step's shared
+    compute-dtype copy (`k3.model.step_weights.gemm_weight`), else the weights concatenated per call.
     Without autograd (serving) each weight is used in place and a group's outputs are concatenated:
     copying every weight per call costs more than it saves at decode."""
     if not torch.is_grad_enabled():
         return [F.linear(x, g[0]) if len(g) == 1 else torch.cat([F.linear(x, w) for w in g], dim=-1)
                 for g in groups]
-    out = F.linear(x, torch.cat([w for g in groups for w in g]))
+    out = F.linear(x, gemm_weight(step_cache, tuple(w for g in groups for w in g)))
     if len(groups) == 1:
         return [out]  # no split: its backward would copy the gradient
     return list(out.split([sum(w.shape[0] for w in g) for g in groups], dim=-1))

@@ -11,6 +11,7 @@ from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
 from k3.model.common import keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, linear_multi
+from k3.model.step_weights import StepCache, StepLinear
 from k3.ops.kda import kda, kda_gate, l2norm
 from k3.ops.short_conv import document_starts, short_conv_silu
 
@@ -123,7 +124,9 @@ class KDAttention(nn.Module):
 
     Input x: [B, T, d] (after input_layernorm). Output [B, T, d] in x's dtype.
     While training, the six input projections run as one GEMM (k3.model.fused.linear_multi) and the
-    short conv as one fp32 conv1d over the packed row (`conv_silu_streams`).
+    short conv as one fp32 conv1d over the packed row (`conv_silu_streams`). Inside
+    `K3ForCausalLM.step_weights()` the GEMMs take the step's shared compute-dtype weight copies
+    (`k3.model.step_weights`: the six projections' concatenation, f_b's and o's weights).
     """
 
     kernels: Kernels = EAGER
@@ -137,24 +140,26 @@ class KDAttention(nn.Module):
         self.lower_bound = lin.gate_lower_bound
         self.eps = config.rms_norm_eps
         W = lin.short_conv_kernel_size
-        self.q_proj = nn.Linear(d, H * K, bias=False)
-        self.k_proj = nn.Linear(d, H * K, bias=False)
-        self.v_proj = nn.Linear(d, H * K, bias=False)
+        self.q_proj = StepLinear(d, H * K)
+        self.k_proj = StepLinear(d, H * K)
+        self.v_proj = StepLinear(d, H * K)
         self.q_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
         self.k_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
         self.v_conv1d = nn.Conv1d(H * K, H * K, W, groups=H * K, bias=False)
         self.A_log = keep_fp32(nn.Parameter(torch.zeros(H)))
         self.dt_bias = keep_fp32(nn.Parameter(torch.zeros(H * K)))
-        self.f_a_proj = nn.Linear(d, K, bias=False)
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)
-        self.b_proj = nn.Linear(d, H, bias=False)
+        self.f_a_proj = StepLinear(d, K)
+        self.f_b_proj = StepLinear(K, H * K)
+        self.b_proj = StepLinear(d, H)
         self.o_norm = nn.Module()
         self.o_norm.weight = keep_fp32(nn.Parameter(torch.ones(K)))
-        self.g_proj = nn.Linear(d, H * K, bias=False)
-        self.o_proj = nn.Linear(H * K, d, bias=False)
+        self.g_proj = StepLinear(d, H * K)
+        self.o_proj = StepLinear(H * K, d)
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             keep_fp32(conv.weight)
         self.kda_backend = "auto"
+        # the fused input projection's step copy (q|k|v|g|f_a|b): set by K3ForCausalLM.step_weights()
+        self.step_cache: StepCache | None = None
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:
@@ -180,11 +185,11 @@ class KDAttention(nn.Module):
         groups = [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], [self.g_proj.weight],
                   [self.f_a_proj.weight], [self.b_proj.weight]]
         if cache is None:  # no history: the whole-row conv, which passes the projection's other outputs through
-            proj = linear_multi(x, [sum(groups, [])])[0]  # [B, T, 3HK + HK + K + H]
+            proj = linear_multi(x, [sum(groups, [])], self.step_cache)[0]  # [B, T, 3HK + HK + K + H]
             *qkv, g_in, f_a, b = conv_silu_streams(proj, conv_w, layout, 3, self.kernels, passthrough=(H * K, K, H))
             q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         else:
-            qkv, g_in, f_a, b = linear_multi(x, groups)
+            qkv, g_in, f_a, b = linear_multi(x, groups, self.step_cache)
             qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
@@ -202,7 +207,7 @@ class KDAttention(nn.Module):
             cache.kda_state[self.layer_idx] = final.float()
             cache.conv_tail[self.layer_idx] = new_tail
         o = self.kernels.gated_rms_norm(o, self.o_norm.weight, g_in.reshape(B, T, H, K), self.eps, x.dtype)
-        return linear_residual(o.reshape(B, T, H * K), self.o_proj.weight, residual)
+        return linear_residual(o.reshape(B, T, H * K), self.o_proj.gemm_weight(), residual)
 
     def _decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

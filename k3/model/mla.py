@@ -15,6 +15,7 @@ from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
 from k3.model.common import RMSNorm, linear_residual
 from k3.model.fused import EAGER, Kernels
+from k3.model.step_weights import StepLinear
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
@@ -38,18 +39,18 @@ class GatedMLA(nn.Module):
         self.scale = (self.nope + self.rope) ** -0.5
         qk = self.nope + self.rope
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, H * qk, bias=False)
+            self.q_proj = StepLinear(d, H * qk)
         else:
-            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_proj = StepLinear(d, config.q_lora_rank)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, MLA_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+            self.q_b_proj = StepLinear(config.q_lora_rank, H * qk)
+        self.kv_a_proj_with_mqa = StepLinear(d, self.kv_lora_rank + self.rope)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, MLA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = StepLinear(self.kv_lora_rank, H * (self.nope + self.v_dim))
         self.use_output_gate = config.mla_use_output_gate
         if self.use_output_gate:
-            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+            self.g_proj = StepLinear(d, H * self.v_dim)
+        self.o_proj = StepLinear(H * self.v_dim, d)
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -79,7 +80,7 @@ class GatedMLA(nn.Module):
         attn = attn.reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             attn = self.kernels.sigmoid_gate(attn, self.g_proj(x), x.dtype)
-        return linear_residual(attn, self.o_proj.weight, residual)
+        return linear_residual(attn, self.o_proj.gemm_weight(), residual)
 
     def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

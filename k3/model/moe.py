@@ -10,6 +10,7 @@ import torch.nn as nn
 from k3.config import TextConfig
 from k3.model.common import GLUMLP, RMSNorm, keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, route_slots
+from k3.model.step_weights import StepCache, StepLinear, step_weight
 
 
 class Router(nn.Module):
@@ -55,9 +56,9 @@ class RoutedExperts(nn.Module):
         # The one place expert weights pass through on their way to compute: QAT installs an
         # MXFP4 fake-quantiser here (weights -> weights), serving may install a dequantiser.
         self.weight_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # Set by K3ForCausalLM.step_weights() for one optimizer step: {dtype: (w13, w2)} compute copies
-        # shared by the step's micro-batches (see _StepExpertWeights).
-        self.step_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Set by K3ForCausalLM.step_weights() for one optimizer step: the (w13, w2) compute copies shared by
+        # the step's micro-batches (see _train_weights).
+        self.step_cache: StepCache | None = None
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         f = self.weight_transform
@@ -116,43 +117,16 @@ class RoutedExperts(nn.Module):
     def _train_weights(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I]) in the compute dtype, for the training GEMMs.
-        Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) made once per
-        optimizer step with fused gradient accumulation; else cast, then concatenated (half the bytes of
-        concatenating the fp32 masters first)."""
-        if self.step_cache is not None and self.weight_transform is None and w1.dtype == torch.float32:
-            if dtype not in self.step_cache:
-                self.step_cache[dtype] = _StepExpertWeights.apply(w1, w3, w2, dtype)
-            return self.step_cache[dtype]
+        Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's shared
+        copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M expert
+        parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an H200);
+        else cast, then concatenated (half the bytes of concatenating the fp32 masters first)."""
+        cache = self.step_cache if self.weight_transform is None else None
+        w13 = step_weight(cache, (w1, w3), dtype, dim=1)
+        w2c = step_weight(cache, (w2,), dtype) if w13 is not None else None
+        if w2c is not None:
+            return w13, w2c
         return torch.cat([w1.to(dtype), w3.to(dtype)], dim=1), w2.to(dtype)
-
-
-class _StepExpertWeights(torch.autograd.Function):
-    """fp32 masters (w1, w3, w2) -> their compute-dtype copies (cat(w1, w3) [E, 2I, L], w2), made once per
-    optimizer step and shared by its micro-batches (k3-small: 553M expert parameters, whose casts and
-    concatenation took ~1.8 ms per 65,536-token micro-batch on an H200). Each micro-batch's backward adds its gradients straight into the fp32
-    `.grad` (one pass, fp32 += bf16) instead of autograd's cast to fp32 and then a separate accumulation,
-    as Megatron's main_grad does; it therefore returns no gradient to autograd (no AccumulateGrad, no grad
-    hooks on these parameters), which is why only `step_weights()` (single-process training) turns it on."""
-
-    @staticmethod
-    def forward(ctx, w1, w3, w2, dtype):  # noqa: ANN001 - autograd signature
-        ctx.params = (w1, w3, w2)
-        return torch.cat([w1.to(dtype), w3.to(dtype)], dim=1), w2.to(dtype)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g13, g2):  # noqa: ANN001
-        w1, w3, w2 = ctx.params
-        I = w1.shape[1]
-        for p, g in ((w1, None if g13 is None else g13[:, :I]), (w3, None if g13 is None else g13[:, I:]),
-                     (w2, g2)):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.to(p.dtype, memory_format=torch.contiguous_format, copy=True)
-            else:
-                p.grad.add_(g)
-        return None, None, None, None
 
 
 class LatentMoE(nn.Module):
@@ -162,8 +136,8 @@ class LatentMoE(nn.Module):
         super().__init__()
         d, L = config.hidden_size, config.routed_expert_hidden_size
         self.gate = Router(config)
-        self.routed_expert_down_proj = nn.Linear(d, L, bias=False)
-        self.routed_expert_up_proj = nn.Linear(L, d, bias=False)
+        self.routed_expert_down_proj = StepLinear(d, L)
+        self.routed_expert_up_proj = StepLinear(L, d)
         self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else None
         self.experts = RoutedExperts(config)
         self.shared_experts = None
@@ -184,4 +158,4 @@ class LatentMoE(nn.Module):
         rest = residual.reshape(-1, shape[-1]) if residual is not None else None
         if self.shared_experts is not None:
             rest = self.shared_experts(x2, rest)
-        return linear_residual(r, self.routed_expert_up_proj.weight, rest).reshape(shape)
+        return linear_residual(r, self.routed_expert_up_proj.gemm_weight(), rest).reshape(shape)

@@ -244,7 +244,7 @@ class Trainer:
         batch = next(self.data.loader)
         rows = self.cfg.micro_batch_tokens and max(1, self.cfg.micro_batch_tokens // batch.seq_len)
         micro = batch.split_rows(rows) if rows else [batch]
-        # single process: the expert weights' compute copies are shared by the micro-batches and their
+        # single process: the weights' compute copies are shared by the micro-batches and their
         # gradients accumulate in place (K3ForCausalLM.step_weights); distributed wrappers keep autograd's way
         with self.model.step_weights() if self.par is None else contextlib.nullcontext():
             loss, flops, vb, vision_loss = self._micro_batches(batch, micro)
