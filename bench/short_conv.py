@@ -6,12 +6,21 @@ Prints ms, achieved GB/s (minimal bytes: read x and weight, write the output; ba
 dout, write dx) and the fraction of 4.3 TB/s, and the ratio to the PyTorch path from the same run.
 Correctness first: forward and both gradients against the float64 loops on a smaller input.
 
+--passthrough 1024,128,8 runs the KDA layer's call: x is the whole fused projection (k3-small: 4,232
+columns), the groups after the conv channels come back as views and their gradients go into x's gradient
+with the conv's; the default copies them inside the conv backward's launch, "k3 window, torch passthrough
+copies" times the former torch copies (env K3_CONV_PASS=torch) in the same run.
+
 --sweep also times the sliding-window kernels (the default, env K3_CONV=window) with other program tiles
 (env K3_CONV_{FWDW,BWDW}_{R,BC,WARPS}: strip rows, channels, warps) and the tiled
 kernels (K3_CONV=tiles, env K3_CONV_BWD_{BT,BC,WARPS}) with their split backward's dz scratch in fp32 and
 in x's dtype (env K3_CONV_DZ), all read per call by k3/ops/short_conv/triton_conv.py, on the same inputs.
 
-Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--sweep]
+--smoke runs every path once on a tiny input on the CPU (the kernels under TRITON_INTERPRET=1): it checks
+the script, its times mean nothing.
+
+Usage: python bench/short_conv.py [--tokens 16384] [--channels 3072] [--docs 8] [--passthrough 1024,128,8]
+       [--sweep] [--smoke]
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,40 +48,56 @@ def torch_path(x: torch.Tensor, w: torch.Tensor, streams: int) -> torch.Tensor:
     return z.reshape(streams, SC // streams, T).transpose(1, 2).unsqueeze(1).contiguous()
 
 
-def backward(out: torch.Tensor | tuple[torch.Tensor, ...], do: torch.Tensor) -> None:
-    """do [S, B, T, C] into one [S, B, T, C] output or S [B, T, C] ones (k3's: do[s] is no copy)."""
-    if isinstance(out, tuple):
-        torch.autograd.backward(out, list(do.unbind(0)))
-    else:
-        out.backward(do)
+def backward(outs: tuple[torch.Tensor, ...], grads: list[torch.Tensor]) -> None:
+    """grads (one per output, e.g. do[s] of a [S, B, T, C] do: no copy) into outs."""
+    torch.autograd.backward(list(outs), grads)
 
 
-def check(streams: int) -> None:
+def _bench(fn, device: str, grad_to_none: list | None = None) -> float:
+    """ms of fn(): triton's do_bench on CUDA; one plain call on the CPU (--smoke: runs, times nothing)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def check(streams: int, passthrough: tuple[int, ...], device: str, T: int, C: int) -> None:
+    """bf16 forward and gradients of every kernel path against the float64 loops ([1, T, streams*C], 5
+    documents), x's passthrough columns (if any) against their gradients exactly."""
     from k3.ops.short_conv import short_conv_silu
     from k3.ops.short_conv.reference import short_conv_silu_reference
 
     torch.manual_seed(0)
-    T, C = 3000, 256
-    cu = torch.tensor([0, 1, 700, 701, 2048, 3000], device="cuda", dtype=torch.int32)
-    x = torch.randn(1, T, streams * C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(streams * C, 1, 4, device="cuda") * 0.5).requires_grad_()
-    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    SC, P = streams * C, sum(passthrough)
+    cu = torch.tensor([0, 1, T // 4, T // 4 + 1, 2 * T // 3, T], device=device, dtype=torch.int32)
+    x = torch.randn(1, T, SC + P, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(SC, 1, 4, device=device) * 0.5).requires_grad_()
+    xr, wr = x[..., :SC].detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = short_conv_silu_reference(xr, wr, cu).reshape(1, T, streams, C).permute(2, 0, 1, 3)
     do = torch.randn_like(ref)
     ref.backward(do)
+    dp = [torch.randn(1, T, n, device=device, dtype=x.dtype) for n in passthrough]
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    for mode, dz in (("window", "-"), ("tiles", "fp32"), ("tiles", "half")):  # env K3_CONV / K3_CONV_DZ
-        os.environ.update(K3_CONV=mode, K3_CONV_DZ="auto" if dz == "-" else dz)
+    for mode, dz, pm in (("window", "-", "kernel"), ("window", "-", "torch"), ("tiles", "fp32", "kernel"),
+                         ("tiles", "half", "kernel")):  # env K3_CONV / K3_CONV_DZ / K3_CONV_PASS
+        if pm == "torch" and not passthrough:
+            continue
+        os.environ.update(K3_CONV=mode, K3_CONV_DZ="auto" if dz == "-" else dz, K3_CONV_PASS=pm)
         x.grad = w.grad = None
-        out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu)
-        backward(out, do.to(x.dtype))
-        e = (rel(torch.stack(out), ref), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
-        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} kernels, dz scratch {dz}): out {e[0]:.2e}, "
-              f"dx {e[1]:.2e}, dw {e[2]:.2e}")
-        if max(e) > 1e-2:
+        out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu, passthrough=passthrough)
+        backward(out, [d.to(x.dtype) for d in do.unbind(0)] + dp)
+        e = (rel(torch.stack(out[:streams]), ref), rel(x.grad[..., :SC], xr.grad), rel(w.grad, wr.grad))
+        exact = torch.equal(x.grad[..., SC:], torch.cat(dp, -1)) if passthrough else True
+        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} kernels, dz scratch {dz}"
+              + (f", passthrough {passthrough} by {pm}: exact {exact}" if passthrough else "")
+              + f"): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
+        if max(e) > 1e-2 or not exact:
             raise SystemExit("short conv check FAILED")
-    os.environ.pop("K3_CONV_DZ")
-    os.environ.pop("K3_CONV")
+    for k in ("K3_CONV_DZ", "K3_CONV", "K3_CONV_PASS"):
+        os.environ.pop(k)
 
 
 def main(argv=None) -> int:
@@ -84,56 +110,86 @@ def main(argv=None) -> int:
     ap.add_argument("--row-width", type=int, default=0,
                     help="x as the first channels of a wider tensor, as in training (k3-small's fused "
                          "projection: 4232); 0 = contiguous x")
+    ap.add_argument("--passthrough", default="",
+                    help="comma-separated widths of column groups after the conv channels, passed through with "
+                         "their gradients (k3-small's KDA layer: 1024,128,8; x is then the whole projection)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny input, kernels interpreted: the script runs")
     args = ap.parse_args(argv)
-    from triton.testing import do_bench
+    passthrough = tuple(int(n) for n in args.passthrough.split(",") if n)
+    device = "cuda"
+    if args.smoke:
+        if args.sweep:
+            raise SystemExit("--smoke times nothing: no --sweep")
+        os.environ["TRITON_INTERPRET"] = "1"  # before k3's kernels are imported (triton.jit reads it)
+        device, args.tokens, args.channels, args.docs = "cpu", 45, 3 * 16, 3
+        passthrough = tuple(min(n, 5) for n in passthrough)
+        args.row_width = args.channels + 5 if args.row_width else 0
+    if passthrough and args.row_width:
+        raise SystemExit("--passthrough: x is the whole projection, its row width S*C + the groups (no --row-width)")
 
     from k3.ops.short_conv import document_starts, short_conv_silu
 
-    check(args.streams)
+    S = args.streams
+    check(S, passthrough, device, *((40, 16) if args.smoke else (3000, 256)))
     T, SC = args.tokens, args.channels
-    width = max(args.row_width, SC)
-    full = torch.randn(1, T, width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    # a leaf of its own (also when sliced), so no slice-backward copy into a wider gradient is timed
-    x = (full[..., :SC] if width > SC else full).detach().requires_grad_()
-    w = (torch.randn(SC, 1, 4, device="cuda") * 0.5).requires_grad_()
-    cu = torch.linspace(0, T, args.docs + 1, device="cuda").round().to(torch.int32)
+    width = max(args.row_width, SC) + sum(passthrough)
+    full = torch.randn(1, T, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    # a leaf of its own (also when sliced), so no slice-backward copy into a wider gradient is timed; with
+    # passthrough groups x is the whole projection, as the KDA layer passes it
+    x = (full[..., :SC] if width > SC and not passthrough else full).detach().requires_grad_()
+    w = (torch.randn(SC, 1, 4, device=device) * 0.5).requires_grad_()
+    cu = torch.linspace(0, T, args.docs + 1, device=device).round().to(torch.int32)
     starts = document_starts(cu, T)
-    do = torch.randn(args.streams, 1, T, SC // args.streams, device="cuda", dtype=torch.bfloat16)
-    impls = {"k3 window (default)": (lambda: short_conv_silu(x, w, streams=args.streams, starts=starts), {}),
-             "k3 tiles": (lambda: short_conv_silu(x, w, streams=args.streams, starts=starts), {"K3_CONV": "tiles"}),
-             "torch cudnn": (lambda: torch_path(x, w, args.streams), {})}
+    do = torch.randn(S, 1, T, SC // S, device=device, dtype=torch.bfloat16)
+    dp = [torch.randn(1, T, n, device=device, dtype=torch.bfloat16) for n in passthrough]
+    views = [SC + sum(passthrough[:j]) for j in range(len(passthrough))]  # the groups' first columns
+
+    def k3():
+        return short_conv_silu(x, w, streams=S, starts=starts, passthrough=passthrough)
+
+    def torch_impl():
+        xc = x[..., :SC] if passthrough else x
+        return (torch_path(xc, w, S),) + tuple(x.narrow(-1, o, n) for o, n in zip(views, passthrough))
+
+    k3_grads = list(do.unbind(0)) + dp  # S stream gradients, then the passthrough groups'
+    impls = {"k3 window (default)": (k3, {}, k3_grads)}
+    if passthrough:  # the same run's A/B of the passthrough gradients' copies
+        impls["k3 window, torch passthrough copies"] = (k3, {"K3_CONV_PASS": "torch"}, k3_grads)
+    impls["k3 tiles"] = (k3, {"K3_CONV": "tiles"}, k3_grads)
+    impls["torch cudnn"] = (torch_impl, {}, [do] + dp)
     nbytes = T * SC * 2 * 2  # read x, write out (bf16); the backward reads x and dout, writes dx: 1.5x
+    both_bytes = 2.5 * nbytes + T * sum(passthrough) * 2 * 2  # + read the groups' gradients, write their dx
     res = {}
-    for name, (fn, env) in impls.items():
+    for name, (fn, env, grads) in impls.items():
         os.environ.update(env)
-        fwd = do_bench(fn, warmup=25, rep=100)
-        both = do_bench(lambda fn=fn: backward(fn(), do), warmup=25, rep=100, grad_to_none=[x, w])
+        fwd = _bench(fn, device)
+        both = _bench(lambda fn=fn, grads=grads: backward(fn(), grads), device, grad_to_none=[x, w])
+        x.grad = w.grad = None
         res[name] = (fwd, both)
         for k in env:
             os.environ.pop(k)
     layout = f"rows of a {width}-wide tensor" if width > SC else "contiguous"
-    print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16 ({layout}), {args.docs} documents, "
-          f"{torch.cuda.get_device_name()}")
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke run (times mean nothing)"
+    print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16 ({layout}"
+          + (f", passthrough {passthrough}" if passthrough else "") + f"), {args.docs} documents, {gpu}")
     print("| impl | fwd ms | fwd GB/s | fwd roof | fwd+bwd ms | fwd+bwd GB/s | fwd+bwd roof | torch / impl (fwd+bwd) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     base = res["torch cudnn"][1]
     for name, (fwd, both) in res.items():
-        gf, gb = nbytes / fwd / 1e6, 2.5 * nbytes / both / 1e6
+        gf, gb = nbytes / fwd / 1e6, both_bytes / both / 1e6
         print(f"| {name} | {fwd:.3f} | {gf:,.0f} | {gf * 1e9 / HBM:.2f} | {both:.3f} | {gb:,.0f} | "
               f"{gb * 1e9 / HBM:.2f} | {base / both:.2f} |")
     if args.sweep:
-        sweep(impls["k3 window (default)"][0], x, w, do, nbytes)
+        sweep(k3, x, w, k3_grads, nbytes, both_bytes)
     return 0
 
 
 def _timed(env: dict, fn, nbytes: float) -> tuple[str, str]:
     """(ms, GB/s) of fn() moving `nbytes` under the env settings `env` (restored afterwards); a tile that
     fails is reported in the ms column."""
-    from triton.testing import do_bench
-
     os.environ.update(env)
     try:
-        ms = do_bench(fn, warmup=25, rep=100)
+        ms = _bench(fn, "cuda")
         return f"{ms:.3f}", f"{nbytes / ms / 1e6:,.0f}"
     except Exception as ex:  # a tile that does not compile: report and go on
         return f"{type(ex).__name__}: {str(ex)[:80]}", ""
@@ -142,12 +198,12 @@ def _timed(env: dict, fn, nbytes: float) -> tuple[str, str]:
             os.environ.pop(k)
 
 
-def sweep(fn, x, w, do, nbytes: int) -> None:
+def sweep(fn, x, w, grads: list[torch.Tensor], nbytes: float, both_bytes: float) -> None:
     """The window kernels' forward tiles (forward ms) and backward tiles (fwd+bwd ms, default forward), then
     the tiled kernels' backward tiles and dz scratch (fwd+bwd ms, tiled forward)."""
     def both():
         x.grad = w.grad = None
-        backward(fn(), do)
+        backward(fn(), grads)
 
     print("\n| kernels | pass | R / BT | BC | warps | dz | ms | GB/s |\n|---|---|---:|---:|---:|---|---:|---:|")
     row = "| {} | {} | {} | {} | {} | {} | {} | {} |"
@@ -158,11 +214,11 @@ def sweep(fn, x, w, do, nbytes: int) -> None:
     for r, bc, wp in [(128, 512, 4), (64, 512, 4), (256, 512, 4), (512, 512, 4), (128, 1024, 4), (128, 1024, 8),
                       (128, 256, 2), (128, 256, 1), (256, 256, 2), (128, 512, 8), (128, 128, 1), (64, 256, 2)]:
         env = {"K3_CONV_BWDW_R": str(r), "K3_CONV_BWDW_BC": str(bc), "K3_CONV_BWDW_WARPS": str(wp)}
-        print(row.format("window", "fwd+bwd", r, bc, wp, "-", *_timed(env, both, 2.5 * nbytes)), flush=True)
+        print(row.format("window", "fwd+bwd", r, bc, wp, "-", *_timed(env, both, both_bytes)), flush=True)
     for dz, (bt, bc, wp) in [("half", (64, 128, 4)), ("fp32", (64, 128, 4)), ("half", (32, 128, 4)), ("half", (64, 64, 4))]:
         env = {"K3_CONV": "tiles", "K3_CONV_DZ": dz, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
                "K3_CONV_BWD_WARPS": str(wp)}
-        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, *_timed(env, both, 2.5 * nbytes)), flush=True)
+        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, *_timed(env, both, both_bytes)), flush=True)
 
 
 if __name__ == "__main__":

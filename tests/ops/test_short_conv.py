@@ -288,3 +288,104 @@ def test_passthrough_columns(dtype, bwd):
     assert torch.equal(x.grad[..., S * C:S * C + 5], dp0) and not x.grad[..., S * C + 5:].any()
     with pytest.raises(ValueError, match="passthrough"):
         short_conv_silu(x, w, streams=S, passthrough=(0,))
+
+
+def _check_passthrough(B, T, S, C, P, dtype, cu=None, none=(), gdtype=None):
+    """x = [S*C conv channels | passthrough groups of widths P] through short_conv_silu and backward, the
+    groups in `none` left out of the loss (gradient None), the others' gradients made in `gdtype` (autograd
+    casts them to x's dtype before the backward sees them). x's gradient against autograd through the
+    float64 loops and plain views of x: the passthrough columns exactly, the conv channels within TOL.
+    Returns (x.grad, w.grad)."""
+    torch.manual_seed(3)
+    SC = S * C
+    x = torch.randn(B, T, SC + sum(P), device=DEV, dtype=dtype, requires_grad=True)
+    w = (torch.randn(SC, 1, 4, device=DEV) * 0.5).requires_grad_()
+    cu_t = torch.tensor(cu, device=DEV, dtype=torch.int32) if cu is not None else None
+    outs = list(short_conv_silu(x, w, streams=S, cu_seqlens=cu_t, passthrough=P))
+    do = [torch.randn(B, T, C, device=DEV, dtype=dtype) for _ in range(S)]
+    dp = [torch.randn(B, T, n, device=DEV, dtype=gdtype or dtype) for n in P]
+    used = [j for j in range(len(P)) if j not in none]
+    torch.autograd.backward(outs[:S] + [outs[S + j] for j in used], do + [dp[j] for j in used])
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = short_conv_silu_reference(xr[..., :SC], wr, cu_t).reshape(B, T, S, C)
+    offs = [SC + sum(P[:j]) for j in range(len(P))]
+    pieces = [xr.narrow(-1, offs[j], P[j]) for j in used]  # plain views: autograd copies their gradients
+    torch.autograd.backward([ref[:, :, s] for s in range(S)] + pieces,
+                            [d.double() for d in do] + [dp[j].to(dtype).double() for j in used])
+    assert _rel(x.grad[..., :SC], xr.grad[..., :SC]) < TOL[dtype] and _rel(w.grad, wr.grad) < TOL[dtype]
+    assert torch.equal(x.grad[..., SC:], xr.grad[..., SC:].to(dtype))
+    return x.grad, w.grad
+
+
+@pytest.mark.parametrize("P, none, dtype, gdtype, bc", [
+    ((5, 3, 1), (1,), torch.bfloat16, torch.float32, 16),  # 3 conv channel blocks, then the passthrough programs
+    ((8,), (), torch.float32, torch.float32, None),
+    ((5, 3, 1), (0, 2), torch.bfloat16, torch.bfloat16, None),
+    ((4, 1, 2), (0, 1, 2), torch.float32, torch.float32, None),  # no passthrough gradient at all: zeros
+])
+def test_passthrough_gradients_in_the_launch(P, none, dtype, gdtype, bc, bwd, monkeypatch):
+    """The passthrough programs of the conv backward's launch (default, env K3_CONV_PASS=kernel) fill x's
+    gradient's passthrough columns exactly (None: zeros; gradients made in another dtype, cast), with
+    documents and T not a multiple of any strip or block (one case with T < the default strips), and B = 2;
+    K3_CONV_PASS=torch (the torch copies) gives the same bits for all of x's and w's gradients."""
+    monkeypatch.delenv("K3_CONV_PASS", raising=False)
+    if bc:
+        for d in ("BWD", "BWDW"):
+            monkeypatch.setenv(f"K3_CONV_{d}_BC", str(bc))
+    for B, T, S, C, cu in [(1, 45, 3, 16, [0, 1, 3, 20, 38, 45]), (2, 37, 1, 40, None)]:
+        got = _check_passthrough(B, T, S, C, P, dtype, cu=cu, none=none, gdtype=gdtype)
+        monkeypatch.setenv("K3_CONV_PASS", "torch")
+        ref = _check_passthrough(B, T, S, C, P, dtype, cu=cu, none=none, gdtype=gdtype)
+        monkeypatch.delenv("K3_CONV_PASS")
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("xdtype, gdtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("mode", ["window", "tiles"])
+def test_passthrough_gradient_layouts(xdtype, gdtype, mode, monkeypatch):
+    """The backward called directly (autograd would cast the gradients to x's dtype first) with passthrough
+    gradients of another dtype (cast on store, rounding to nearest even as torch's copy does) and odd
+    layouts: a slice of a wider tensor (rows 7 elements apart), a broadcast (stride 0), a transposed one (last
+    dim not contiguous: copied first), batch rows not evenly spaced (copied first), and None (zeros). The
+    passthrough columns equal the gradients cast to x's dtype, and K3_CONV_PASS=torch gives the same bits."""
+    monkeypatch.setenv("K3_CONV", mode)
+    monkeypatch.setenv("K3_CONV_BWDW_R", "8")
+    torch.manual_seed(4)
+    B, T, S, C = 2, 37, 3, 8
+    P = (3, 1, 6)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEV).to(gdtype)
+
+    cases = {  # (g0 [B, T, 3], g1 [B, T, 1], g2 [B, T, 6])
+        "slice, broadcast, transposed": (rnd(B, T, 7)[..., 2:5], rnd(1, 1, 1).expand(B, T, 1),
+                                         rnd(B, 6, T).transpose(1, 2)),
+        "uneven batch rows, None": (rnd(B, T + 3, 3)[:, :T], None, rnd(B, T, 6)),
+    }
+    assert cases["slice, broadcast, transposed"][0].stride() == (T * 7, 7, 1)
+    x = torch.randn(B, T, S * C + sum(P), device=DEV, dtype=xdtype, requires_grad=True)
+    w = torch.randn(S * C, 1, 4, device=DEV, requires_grad=True)
+    do = [torch.randn(B, T, C, device=DEV, dtype=xdtype) for _ in range(S)]
+    for name, gs in cases.items():
+        res = {}
+        for pm in ("kernel", "torch"):
+            monkeypatch.setenv("K3_CONV_PASS", pm)
+            outs = short_conv_silu(x, w, streams=S, passthrough=P)
+            res[pm] = outs[0].grad_fn.apply(*do, *gs)[:2]  # ShortConvSiLU.backward as it is
+        dx = res["kernel"][0]
+        assert torch.equal(dx, res["torch"][0]) and torch.equal(res["kernel"][1], res["torch"][1]), name
+        for j, g in enumerate(gs):
+            off = S * C + sum(P[:j])
+            want = g.to(xdtype) if g is not None else torch.zeros(B, T, P[j], device=DEV, dtype=xdtype)
+            assert torch.equal(dx[..., off:off + P[j]], want), (name, j)
+
+
+def test_passthrough_switch_and_many_groups(monkeypatch):
+    """More passthrough groups than the kernels' 3 pointers take the torch copies (same result); a mistyped
+    K3_CONV_PASS raises."""
+    monkeypatch.setenv("K3_CONV_BWDW_R", "8")
+    _check_passthrough(1, 30, 3, 8, (2, 1, 3, 2), torch.float32, cu=[0, 11, 30], none=(2,))
+    monkeypatch.setenv("K3_CONV_PASS", "copy")
+    with pytest.raises(ValueError, match="K3_CONV_PASS must be"):
+        _check_passthrough(1, 30, 3, 8, (2, 1), torch.float32)

@@ -17,6 +17,10 @@ scratch pass, then dx and dw) remain for W > 4 and as the measured alternative.
 Replaces a transpose + fp32 cuDNN depthwise conv1d + document-edge fix-up + SiLU epilogue (~16 ms
 forward+backward per KDA layer at 65K tokens x 3072 channels on an H200). Packed documents: row t only
 sees inputs s >= starts[t] (its document's first row).
+
+Passthrough columns (a fused projection's other outputs, returned as views of x): both backwards write
+x's whole gradient, their gradients copied by extra programs of the dx launch (`_pass_rows`; env
+K3_CONV_PASS=torch: torch copies before it, as before).
 """
 
 from __future__ import annotations
@@ -154,12 +158,50 @@ def _short_conv_fwd(x, w, starts, y0, y1, y2, y3, dz, B, T, sxb_v, sxt_v,
 
 
 @triton.jit
-def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
-                    SC: tl.constexpr, DXW: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
-                    VB: tl.constexpr, VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The tiled backward's second pass: dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's
-    document, from dz [B, T, SC] of the DZ pass of _short_conv_fwd, and this block's dw partials. dx: rows
-    DXW apart (the conv channels lead wider rows when columns pass through)."""
+def _pass_group(src, s_row, dx, r0, end, i_b, T, OFF: tl.constexpr, DXW: tl.constexpr, ROWS: tl.constexpr,
+                N: tl.constexpr, NB: tl.constexpr, RB: tl.constexpr, LIVE: tl.constexpr):
+    """dx[i_b, t, OFF:OFF+N] = src[i_b, t, :N] (cast to dx's dtype) for rows r0 <= t < end (at most ROWS of
+    them), src's rows s_row elements apart over the flattened B*T rows (last dim contiguous); zeros when not
+    LIVE (the group's gradient is None). [RB, NB] tiles: a group a few columns wide (KDA's beta: 8) still
+    moves whole tiles of rows per load, not a narrow strided copy per row."""
+    for c in tl.static_range(0, N, NB):
+        o_n = c + tl.arange(0, NB)
+        m_n = o_n < N
+        for r in range(0, ROWS, RB):
+            t = r0 + r + tl.arange(0, RB)
+            m = (t < end)[:, None] & m_n[None, :]
+            row = i_b.to(tl.int64) * T + t.to(tl.int64)
+            if LIVE:
+                v = cvt(tl.load(src + row[:, None] * s_row + o_n[None, :], mask=m), dx.dtype.element_ty)
+            else:
+                v = tl.zeros([RB, NB], dtype=dx.dtype.element_ty)
+            tl.store(dx + row[:, None] * DXW + OFF + o_n[None, :], v, mask=m)
+
+
+@triton.jit
+def _pass_rows(dx, T, g0, g1, g2, gt0, gt1, gt2, SC: tl.constexpr, DXW: tl.constexpr, ROWS: tl.constexpr,
+               GV0: tl.constexpr, GV1: tl.constexpr, GV2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+               P2: tl.constexpr, PB0: tl.constexpr, PB1: tl.constexpr, PB2: tl.constexpr, PR0: tl.constexpr,
+               PR1: tl.constexpr, PR2: tl.constexpr, PLIVE: tl.constexpr):
+    """A passthrough program of the backwards: rows [i_t*ROWS, (i_t+1)*ROWS) of batch row i_b of the up to 3
+    passthrough gradients g0..g2 (widths P0..P2, 0 = no group; [PR, PB] tiles; bit j of PLIVE clear: g_j is
+    None, zeros) into dx [B, T, DXW]'s columns SC + P0 + ... after the conv channels. g_j's rows are
+    gt_j * GV_j elements apart (GV_j: the stride's power-of-two factor, so loads vectorise: see _strides)."""
+    i_t, i_b = tl.program_id(0), tl.program_id(2)
+    r0 = i_t * ROWS
+    end = tl.minimum(r0 + ROWS, T)
+    _pass_group(g0, gt0 * GV0, dx, r0, end, i_b, T, SC, DXW, ROWS, P0, PB0, PR0, (PLIVE & 1) != 0)
+    if P1 > 0:
+        _pass_group(g1, gt1 * GV1, dx, r0, end, i_b, T, SC + P0, DXW, ROWS, P1, PB1, PR1, (PLIVE & 2) != 0)
+    if P2 > 0:
+        _pass_group(g2, gt2 * GV2, dx, r0, end, i_b, T, SC + P0 + P1, DXW, ROWS, P2, PB2, PR2, (PLIVE & 4) != 0)
+
+
+@triton.jit
+def _tiles_bwd_block(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
+                     SC: tl.constexpr, DXW: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                     VB: tl.constexpr, VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The tiled backward's second pass for one [BLOCK_T, BLOCK_C] block (see `_short_conv_bwd`)."""
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sxt = sxt_v * VT  # a known multiple of VT: vectorised row loads (see _strides)
     o_s = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # input rows of this program
@@ -178,6 +220,31 @@ def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
                          SC, W, HAS_STARTS)
     tl.store(dx + (i_b.to(tl.int64) * T + o_s.to(tl.int64))[:, None] * DXW + o_c[None, :],
              dxs.to(dx.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _short_conv_bwd(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v,
+                    g0, g1, g2, gt0, gt1, gt2,
+                    SC: tl.constexpr, DXW: tl.constexpr, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    VB: tl.constexpr, VT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                    GV0: tl.constexpr, GV1: tl.constexpr, GV2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                    P2: tl.constexpr, PB0: tl.constexpr, PB1: tl.constexpr, PB2: tl.constexpr, PR0: tl.constexpr,
+                    PR1: tl.constexpr, PR2: tl.constexpr, PLIVE: tl.constexpr):
+    """The tiled backward's second pass: dx[s] = sum_e w[W-1-e] dz[s+e] over the output rows s+e in s's
+    document, from dz [B, T, SC] of the DZ pass of _short_conv_fwd, and this block's dw partials. dx: rows
+    DXW apart (the conv channels lead wider rows when columns pass through). With passthrough columns
+    (P0 > 0) the grid has one more program per row block along axis 1, past the conv channels' blocks,
+    which copies the passthrough gradients g0..g2 into dx's columns after the conv's (`_pass_rows`)."""
+    if P0 == 0:
+        _tiles_bwd_block(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v, SC, DXW, W, HAS_STARTS, VB, VT,
+                         BLOCK_T, BLOCK_C)
+    else:
+        if tl.program_id(1) < (SC + BLOCK_C - 1) // BLOCK_C:
+            _tiles_bwd_block(x, w, starts, dz, dx, dw_part, B, T, sxb_v, sxt_v, SC, DXW, W, HAS_STARTS, VB, VT,
+                             BLOCK_T, BLOCK_C)
+        else:
+            _pass_rows(dx, T, g0, g1, g2, gt0, gt1, gt2, SC, DXW, BLOCK_T, GV0, GV1, GV2, P0, P1, P2, PB0, PB1, PB2,
+                       PR0, PR1, PR2, PLIVE)
 
 
 @triton.jit
@@ -302,15 +369,11 @@ def _bwd_row(t, xt, dy, xa, xm, xz, ga, gm, gz, dw0, dw1, dw2, dw3, w0, w1, w2, 
 
 
 @triton.jit
-def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v,
-                     SC: tl.constexpr, DXW: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
-                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
-                     R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One pass over this program's rows [r0, r0+R) and the 3 after them (whose dz reach its last dx rows),
-    4 rows per step (the next 4 rows of x and of the stream gradients d0..d{S-1} [B, T, C] loaded while
-    these are computed; bit s of LIVE clear: stream s's gradient is None, zeros): see `_bwd_row`. The
-    strip's dw partials are stored as dw_part[program, j, c] at the end. dx: rows DXW apart (the conv
-    channels lead wider rows when columns pass through)."""
+def _window_bwd_strip(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v,
+                      SC: tl.constexpr, DXW: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
+                      HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
+                      R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One conv program of `_conv_bwd_window`: its strip of rows and block of channels."""
     i_t, i_b = tl.program_id(0), tl.program_id(2)
     o_c, m_c, xb, sxt, db, live, w0, w1, w2, w3 = _window_program(x, w4, d0, d1, d2, d3, T, sxb_v, sxt_v, SC, C,
                                                                  S, LIVE, VB, VT, BLOCK_C)
@@ -352,6 +415,38 @@ def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v
     tl.store(part + 3 * SC, dw3, mask=m_c)
 
 
+@triton.jit
+def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v,
+                     g0, g1, g2, gt0, gt1, gt2,
+                     SC: tl.constexpr, DXW: tl.constexpr, C: tl.constexpr, S: tl.constexpr, LIVE: tl.constexpr,
+                     HAS_STARTS: tl.constexpr, VB: tl.constexpr, VT: tl.constexpr,
+                     R: tl.constexpr, BLOCK_C: tl.constexpr,
+                     GV0: tl.constexpr, GV1: tl.constexpr, GV2: tl.constexpr, P0: tl.constexpr, P1: tl.constexpr,
+                     P2: tl.constexpr, PB0: tl.constexpr, PB1: tl.constexpr, PB2: tl.constexpr, PR0: tl.constexpr,
+                     PR1: tl.constexpr, PR2: tl.constexpr, PLIVE: tl.constexpr):
+    """One pass over this program's rows [r0, r0+R) and the 3 after them (whose dz reach its last dx rows),
+    4 rows per step (the next 4 rows of x and of the stream gradients d0..d{S-1} [B, T, C] loaded while
+    these are computed; bit s of LIVE clear: stream s's gradient is None, zeros): see `_bwd_row`. The
+    strip's dw partials are stored as dw_part[program, j, c] at the end. dx: rows DXW apart (the conv
+    channels lead wider rows when columns pass through).
+
+    With passthrough columns (P0 > 0) the grid has one more program per strip along axis 1, past the conv
+    channels' blocks: it copies rows [r0, r0+R) of the passthrough gradients g0..g2 into dx's columns after
+    the conv's (`_pass_rows`), so they cost no launches of their own. The branch is on the program id
+    only and the copy needs few registers: the conv programs keep theirs (bench/kernel_resources.py, sm_90,
+    k3-small's layer: 139 with the branch, 141 without; the loop's loads and stores unchanged)."""
+    if P0 == 0:
+        _window_bwd_strip(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v, SC, DXW, C, S, LIVE,
+                          HAS_STARTS, VB, VT, R, BLOCK_C)
+    else:
+        if tl.program_id(1) < (SC + BLOCK_C - 1) // BLOCK_C:
+            _window_bwd_strip(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v, SC, DXW, C, S, LIVE,
+                              HAS_STARTS, VB, VT, R, BLOCK_C)
+        else:
+            _pass_rows(dx, T, g0, g1, g2, gt0, gt1, gt2, SC, DXW, R, GV0, GV1, GV2, P0, P1, P2, PB0, PB1, PB2,
+                       PR0, PR1, PR2, PLIVE)
+
+
 def _mode(W: int) -> str:
     """Env K3_CONV: "window" (default; W <= 4) or "tiles" (the tiled forward and split backward, any W)."""
     mode = os.environ.get("K3_CONV", "window")
@@ -373,6 +468,14 @@ def _dz_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _pow2_split(stride: int) -> tuple[int, int]:
+    """stride as (quotient, its power-of-two factor <= 16): see `_strides`."""
+    f = 16
+    while stride % f:
+        f //= 2
+    return stride // f, f
+
+
 def _strides(x: torch.Tensor) -> dict:
     """x's batch and row strides as (quotient, power-of-two factor <= 16) pairs. Triton only knows an
     integer argument's alignment when it is divisible by 16; the rows of a fused projection (k3-small:
@@ -380,10 +483,7 @@ def _strides(x: torch.Tensor) -> dict:
     load of the kernel ran element by element (0.55 vs 0.30 ms per forward at 65K x 3,072)."""
     out = {}
     for name, v, stride in (("sxb_v", "VB", x.stride(0)), ("sxt_v", "VT", x.stride(1))):
-        f = 16
-        while stride % f:
-            f //= 2
-        out[name], out[v] = stride // f, f
+        out[name], out[v] = _pow2_split(stride)
     return out
 
 
@@ -399,6 +499,55 @@ def _stream_args(ts: list, fill: torch.Tensor) -> tuple[list, int]:
     the LIVE bits of the streams that have one."""
     live = sum(1 << s for s, t in enumerate(ts) if t is not None)
     return [t if t is not None else fill for t in ts] + [fill] * (MAX_STREAMS - len(ts)), live
+
+
+MAX_PASS = 3  # passthrough groups the backward kernels copy themselves (KDA has 3: g, f_a, beta)
+PASS_TILE = 8192  # elements per copy tile of a passthrough program (64 per thread at 4 warps: bytes in flight)
+PASS_BC = 512  # widest copy tile (a wider group is copied in column blocks)
+
+
+def _pass_mode(groups: int) -> str:
+    """Env K3_CONV_PASS, how the backward fills the passthrough columns of x's gradient: "kernel" (default:
+    extra programs of the conv backward's launch, `_pass_rows`) or "torch" (one torch copy_ / zero_ per
+    group before the launch: the former way, kept for a same-run A/B). More than MAX_PASS groups always
+    take the torch copies (the kernels have MAX_PASS pointers)."""
+    mode = os.environ.get("K3_CONV_PASS", "kernel")
+    if mode not in ("kernel", "torch"):
+        raise ValueError(f"K3_CONV_PASS must be 'kernel' or 'torch', got {mode!r}")
+    return mode if groups <= MAX_PASS else "torch"
+
+
+def _pass_torch(dx: torch.Tensor, grads: tuple, columns: list[tuple[int, int]]) -> None:
+    """dx [B, T, width][..., off:off+n] = each passthrough gradient [B, T, n] (any dtype and strides; None:
+    zeros) for (off, n) in columns, one torch copy per group (K3_CONV_PASS=torch)."""
+    for g, (off, n) in zip(grads, columns):
+        if g is not None:
+            dx[..., off:off + n].copy_(g)
+        else:
+            dx[..., off:off + n].zero_()
+
+
+def _pass_args(grads: tuple, columns: list[tuple[int, int]], dx: torch.Tensor, rows: int) -> dict:
+    """The backward kernels' passthrough arguments (see `_pass_rows`) for gradients [B, T, n_j] (None: the
+    group's columns become zeros; any dtype, cast to dx's on store) of the column groups (off_j, n_j),
+    programs of `rows` rows; no groups: P0 = 0, no passthrough programs. A gradient is read in place when
+    its last dim is contiguous and its B*T rows are evenly spaced (a contiguous tensor, a slice of a wider
+    one, a broadcast over rows); otherwise it is made contiguous first."""
+    B, T = dx.shape[:2]
+    out, live = {}, 0
+    for j in range(MAX_PASS):
+        g, n = (grads[j], columns[j][1]) if j < len(columns) else (None, 0)
+        if g is not None:
+            if (g.stride(-1) != 1 and n > 1) or (B > 1 and T > 1 and g.stride(0) != T * g.stride(1)):
+                g = g.contiguous()
+            live |= 1 << j
+        row_stride = (g.stride(1) if T > 1 else g.stride(0)) if g is not None else 0
+        nb = min(triton.next_power_of_2(max(n, 1)), PASS_BC)
+        out[f"g{j}"] = g if g is not None else dx  # dx: never dereferenced (LIVE bit clear or no group)
+        out[f"gt{j}"], out[f"GV{j}"] = _pow2_split(row_stride)
+        out[f"P{j}"], out[f"PB{j}"], out[f"PR{j}"] = n, nb, min(max(PASS_TILE // nb, 1), rows)
+    out["PLIVE"] = live
+    return out
 
 
 def _pad_taps(weight: torch.Tensor) -> torch.Tensor:
@@ -450,26 +599,30 @@ class ShortConvSiLU(torch.autograd.Function):
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx_full = torch.empty(B, T, width, device=x.device, dtype=x.dtype)
-        for g, (off, n) in zip(dpass, ctx.columns):
-            if g is not None:
-                dx_full[..., off:off + n].copy_(g)
-            else:
-                dx_full[..., off:off + n].zero_()
+        # The passthrough columns of dx_full: by default extra programs of the conv backward's launch copy
+        # them (one launch; torch's copies of the narrow groups into the wide rows ran at ~1/3 of the bytes'
+        # time on the H200, each a launch of its own); K3_CONV_PASS=torch keeps the torch copies.
+        by_kernel = bool(ctx.columns) and _pass_mode(len(ctx.columns)) == "kernel"
+        if not by_kernel:
+            _pass_torch(dx_full, dpass, ctx.columns)
         st = starts if starts is not None else weight
         common = dict(SC=SC, HAS_STARTS=starts is not None, **_strides(x))
         if _mode(W) == "window":
             r, bc, warps = _window_tiles("BWDW")
-            grid = (triton.cdiv(T, r), triton.cdiv(SC, bc), B)
+            pa = _pass_args(dpass if by_kernel else (), ctx.columns if by_kernel else [], dx_full, r)
+            grid = (triton.cdiv(T, r), triton.cdiv(SC, bc) + (1 if pa["P0"] else 0), B)  # + a passthrough program
             dw_part = torch.empty(B * grid[0], MAX_WINDOW, SC, device=x.device, dtype=torch.float32)
             _conv_bwd_window[grid](x, _pad_taps(weight), st, *ds, dx_full, dw_part, T, **common, DXW=width,
-                                   C=SC // S, S=S, LIVE=live, R=r, BLOCK_C=bc, num_warps=warps)
+                                   C=SC // S, S=S, LIVE=live, R=r, BLOCK_C=bc, **pa, num_warps=warps)
             return dx_full, dw_part.sum(0).t()[:, MAX_WINDOW - W:].contiguous(), None, None, None
         bt, bc, warps = _tiles("BWD")
+        pa = _pass_args(dpass if by_kernel else (), ctx.columns if by_kernel else [], dx_full, bt)
         grid = _grid(B, T, SC, bt, bc)
         dw_part = torch.empty(B * grid[0], W, SC, device=x.device, dtype=torch.float32)
         dz = torch.empty(B, T, SC, device=x.device, dtype=_dz_dtype(x))
         _short_conv_fwd[grid](x, weight, st, *ds, dz, B, T, **common, C=SC // S, S=S, LIVE=live, W=W, DZ=True,
                               BLOCK_T=bt, BLOCK_C=bc, num_warps=warps)
-        _short_conv_bwd[grid](x, weight, st, dz, dx_full, dw_part, B, T, **common, DXW=width, W=W, BLOCK_T=bt,
-                              BLOCK_C=bc, num_warps=warps)
+        _short_conv_bwd[grid[0], grid[1] + (1 if pa["P0"] else 0), B](
+            x, weight, st, dz, dx_full, dw_part, B, T, **common, DXW=width, W=W, BLOCK_T=bt, BLOCK_C=bc, **pa,
+            num_warps=warps)
         return dx_full, dw_part.sum(0).t().contiguous(), None, None, None
