@@ -2,7 +2,7 @@
 
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
-`env_tile` reads a kernel's program-tile knobs, `env_flag` its on/off switches.
+`env_tile` / `env_int` read a kernel's program-tile and other integer knobs, `env_flag` its on/off switches.
 """
 
 from __future__ import annotations
@@ -15,16 +15,26 @@ import triton.language as tl
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
+def env_int(var: str, default: int, *, pow2: bool = False) -> int:
+    """Env `var` as a positive integer knob (a tile, a warp count, a pipeline depth), read per call so a
+    benchmark can sweep it in one process: unset -> default; a value that is not a positive integer (or,
+    with pow2, not a power of two) raises, naming the variable."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+    if v < 1 or (pow2 and v & (v - 1)):
+        raise ValueError(f"{var} must be a positive {'power of two' if pow2 else 'integer'}, got {v}")
+    return v
+
+
 def env_tile(prefix: str, names: tuple[str, ...], defaults: tuple[int, ...]) -> tuple[int, ...]:
     """Program-tile sizes: `defaults`, each overridden by env `{prefix}_{name}` (read per call, so a
     benchmark can sweep them in one process); every value must be a power of two."""
-    out = []
-    for name, default in zip(names, defaults):
-        v = int(os.environ.get(f"{prefix}_{name}", default))
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{prefix}_{name} must be a power of two, got {v}")
-        out.append(v)
-    return tuple(out)
+    return tuple(env_int(f"{prefix}_{name}", default, pow2=True) for name, default in zip(names, defaults))
 
 
 def env_flag(var: str, default: bool) -> bool:

@@ -39,3 +39,28 @@ def test_column_sum_large_gpu():
     """AttnRes's partials at k3-small's micro-batch: one [1024] row per 2-row program."""
     x = torch.randn(32768, 1024, device="cuda")
     torch.testing.assert_close(column_sum(x).double(), x.double().sum(0), rtol=0, atol=1e-3)
+
+
+def test_env_int_knobs(monkeypatch):
+    """Integer kernel knobs (tiles, warps, pipeline depths): unset -> the default; a non-integer, a value
+    below 1 or (for tiles) not a power of two raises, naming the variable."""
+    from k3.ops.triton_utils import env_int, env_tile
+
+    monkeypatch.delenv("K3_TEST_KNOB", raising=False)
+    assert env_int("K3_TEST_KNOB", 7) == 7
+    monkeypatch.setenv("K3_TEST_KNOB", "3")
+    assert env_int("K3_TEST_KNOB", 7) == 3
+    with pytest.raises(ValueError, match="K3_TEST_KNOB must be a positive power of two, got 3"):
+        env_int("K3_TEST_KNOB", 4, pow2=True)
+    for bad, msg in (("x2", "must be an integer"), ("0", "must be a positive integer"), ("-4", "must be a positive integer")):
+        monkeypatch.setenv("K3_TEST_KNOB", bad)
+        with pytest.raises(ValueError, match=f"K3_TEST_KNOB {msg}"):
+            env_int("K3_TEST_KNOB", 4)
+    monkeypatch.setenv("K3_TEST_BM", "6")
+    with pytest.raises(ValueError, match="K3_TEST_BM must be a positive power of two"):
+        env_tile("K3_TEST", ("BM", "BD"), (2, 1024))
+    monkeypatch.setenv("K3_KDA_STAGES", "two")
+    from k3.ops.kda.chunk import _stages
+
+    with pytest.raises(ValueError, match="K3_KDA_STAGES must be an integer"):
+        _stages()

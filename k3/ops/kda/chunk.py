@@ -52,7 +52,7 @@ from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
-from k3.ops.triton_utils import env_flag
+from k3.ops.triton_utils import env_flag, env_int
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
@@ -112,9 +112,8 @@ def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
 
 def _bv(V: int, programs_per_bv64: int) -> int:
     """Value-block width of the sequential kernels: 64 when that fills the GPU, else narrower."""
-    forced = os.environ.get("K3_KDA_BV")
-    if forced:
-        return min(V, int(forced))
+    if os.environ.get("K3_KDA_BV"):
+        return min(V, env_int("K3_KDA_BV", V, pow2=True))
     bv = min(V, 64)
     while bv > 16 and programs_per_bv64 * (64 // bv) < 264:
         bv //= 2
@@ -129,9 +128,8 @@ def _state_bv(V: int, NH: int) -> int:
     micro-batch (65,536 tokens in 8 documents, H 8: 64 pairs) BV 64 took the forward scan from
     0.74 ms (BV 128, 8 warps) and the backward from 1.49 ms (BV 16, the fill-the-GPU rule before) to
     0.43 / 0.54 ms; BV 32: 0.63 / 0.87 ms.  Env K3_KDA_BV overrides."""
-    forced = os.environ.get("K3_KDA_BV")
-    if forced:
-        return min(V, int(forced))
+    if os.environ.get("K3_KDA_BV"):
+        return min(V, env_int("K3_KDA_BV", V, pow2=True))
     bv = min(V, 64)
     while bv > 16 and NH * triton.cdiv(V, bv) < 64:
         bv //= 2
@@ -147,7 +145,7 @@ def _fwd_state_tiles(V: int, NH: int) -> tuple[int, int]:
 
 def _tile(name: str, default: int, dim: int) -> int:
     """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
-    return min(dim, int(os.environ.get(f"K3_KDA_{name}", default)))
+    return min(dim, env_int(f"K3_KDA_{name}", default, pow2=True))
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -156,13 +154,13 @@ def _flag(name: str, default: bool) -> bool:
 
 
 def _warps(name: str, default: int) -> int:
-    return int(os.environ.get(f"K3_KDA_WARPS_{name}", default))
+    return env_int(f"K3_KDA_WARPS_{name}", default, pow2=True)
 
 
 def _stages() -> int:
     """Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are
     issued while the current one computes)."""
-    return int(os.environ.get("K3_KDA_STAGES", "2"))
+    return env_int("K3_KDA_STAGES", 2)
 
 
 def _fwd_intra_version() -> str:
@@ -246,8 +244,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
         # K3_KDA_MAXNREG_INTRA caps the registers (e.g. 168: 3 CTAs per SM instead of 2, with
         # spills; a tuning experiment, GPU only)
-        nreg = os.environ.get("K3_KDA_MAXNREG_INTRA")
-        extra = {"maxnreg": int(nreg)} if nreg else {}
+        extra = {"maxnreg": env_int("K3_KDA_MAXNREG_INTRA", 255)} if os.environ.get("K3_KDA_MAXNREG_INTRA") else {}
         _kda_fwd_intra_v2[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
             W, U, P, QG, KG, GL, Tm, XW, meta.cu_seqlens, meta.chunk_info,

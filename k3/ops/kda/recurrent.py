@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.triton_utils import env_int
+
 __all__ = ["fused_recurrent_kda", "commit_states"]
 
 MAX_SPAN = 16
@@ -132,9 +134,8 @@ def _bv(V: int, programs: int) -> int:
     """Value-block width: 64, narrower while that leaves fewer than 4 programs per SM; env
     K3_KDA_DEC_BV overrides.  Measured on the H200 (H96 K=V=128, 4 warps, CUDA graph): BV 64 moves
     the state at 87-91 % of the copy bandwidth for B 64-256, BV 32 at 79-81 %, BV 16 at 47 %."""
-    forced = os.environ.get("K3_KDA_DEC_BV")
-    if forced:
-        return min(V, int(forced))
+    if os.environ.get("K3_KDA_DEC_BV"):
+        return min(V, env_int("K3_KDA_DEC_BV", V, pow2=True))
     bv = min(V, 64)
     while bv > 16 and programs * (V // bv) < 528:
         bv //= 2
@@ -187,7 +188,7 @@ def fused_recurrent_kda(
         scale, float(lower_bound or 0.0), T,
         H=H, K=K, V=V, BV=BV, GATE=gate, L2=bool(use_qk_l2norm_in_kernel),
         BSIG=bool(use_beta_sigmoid_in_kernel), WRITE=bool(write_state), INTER=inter is not None,
-        num_warps=int(os.environ.get("K3_KDA_DEC_WARPS", "4")),
+        num_warps=env_int("K3_KDA_DEC_WARPS", 4, pow2=True),
     )
     return o, inter
 

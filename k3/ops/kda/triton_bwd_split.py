@@ -65,7 +65,7 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
-from k3.ops.triton_utils import env_flag
+from k3.ops.triton_utils import env_flag, env_int
 
 
 @triton.jit
@@ -318,8 +318,8 @@ def split_tiles(K: int) -> tuple[int, int]:
     Default BK 32 / 4 warps: a [64, 32] fp32 tile is 16 registers per thread, so the ~10 live
     tiles leave room for 2-3 programs per SM, and every tf32 dot has N = 32 on its one
     warpgroup."""
-    bk = min(K, int(os.environ.get("K3_KDA_BK_BWDSPLIT", "32")))
-    warps = int(os.environ.get("K3_KDA_WARPS_BWDSPLIT", "4"))
+    bk = min(K, env_int("K3_KDA_BK_BWDSPLIT", 32, pow2=True))
+    warps = env_int("K3_KDA_WARPS_BWDSPLIT", 4, pow2=True)
     if bk < 4 * warps:
         raise ValueError(f"split backward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
@@ -358,8 +358,7 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     half = q.dtype != torch.float32
     # K3_KDA_MAXNREG_BWDSPLIT caps the key kernel's registers (more programs per SM, maybe spills;
     # a tuning experiment, GPU only)
-    nreg = os.environ.get("K3_KDA_MAXNREG_BWDSPLIT")
-    extra = {"maxnreg": int(nreg)} if nreg else {}
+    extra = {"maxnreg": env_int("K3_KDA_MAXNREG_BWDSPLIT", 255)} if os.environ.get("K3_KDA_MAXNREG_BWDSPLIT") else {}
     cumdot = env_flag("K3_KDA_CUMDOT_BWDSPLIT", half)
     colws = env_flag("K3_KDA_COLWS", True)
     WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
@@ -368,9 +367,9 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
         ROWS, WS, WC, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=int(os.environ.get("K3_KDA_AP_STAGES", "2")),
-        AP_UNROLL=int(os.environ.get("K3_KDA_AP_UNROLL", "1")),
-        S_STAGES=int(os.environ.get("K3_KDA_S_STAGES_BWDSPLIT", "2")), num_warps=warps, num_stages=1, **extra,
+        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=env_int("K3_KDA_AP_STAGES", 2),
+        AP_UNROLL=env_int("K3_KDA_AP_UNROLL", 1),
+        S_STAGES=env_int("K3_KDA_S_STAGES_BWDSPLIT", 2), num_warps=warps, num_stages=1, **extra,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,

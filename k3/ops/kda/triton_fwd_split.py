@@ -42,8 +42,6 @@ warps N is split over w / 4 warpgroups and tf32 wgmma must keep N >= 16 per warp
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -57,6 +55,7 @@ from k3.ops.kda.triton_common import (
     _stc,
 )
 from k3.ops.kda.triton_fwd_v2 import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
+from k3.ops.triton_utils import env_int
 
 
 @triton.jit
@@ -209,9 +208,9 @@ def _kda_fwd_finish(
 def split_tiles(K: int) -> tuple[int, int, int]:
     """(BK, warps of the keys / A-P kernels, NS); env K3_KDA_BK_FWDSPLIT (default 32, at most 64),
     K3_KDA_WARPS_FWDSPLIT (default 4), K3_KDA_NS_FWDSPLIT (default 1) override."""
-    bk = min(K, 64, int(os.environ.get("K3_KDA_BK_FWDSPLIT", "32")))
-    warps = int(os.environ.get("K3_KDA_WARPS_FWDSPLIT", "4"))
-    ns = int(os.environ.get("K3_KDA_NS_FWDSPLIT", "1"))
+    bk = min(K, 64, env_int("K3_KDA_BK_FWDSPLIT", 32, pow2=True))
+    warps = env_int("K3_KDA_WARPS_FWDSPLIT", 4, pow2=True)
+    ns = env_int("K3_KDA_NS_FWDSPLIT", 1)
     if bk < 4 * warps:
         raise ValueError(f"split forward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
