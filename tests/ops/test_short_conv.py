@@ -323,12 +323,17 @@ def _check_passthrough(B, T, S, C, P, dtype, cu=None, none=(), gdtype=None):
     ((5, 3, 1), (0, 2), torch.bfloat16, torch.bfloat16, None),
     ((4, 1, 2), (0, 1, 2), torch.float32, torch.float32, None),  # no passthrough gradient at all: zeros
 ])
-def test_passthrough_gradients_in_the_launch(P, none, dtype, gdtype, bc, bwd, monkeypatch):
+@pytest.mark.parametrize("mode", ["window", "window-small", "tiles"])
+def test_passthrough_gradients_in_the_launch(P, none, dtype, gdtype, bc, mode, monkeypatch):
     """The passthrough programs of the conv backward's launch (default, env K3_CONV_PASS=kernel) fill x's
     gradient's passthrough columns exactly (None: zeros; gradients made in another dtype, cast), with
     documents and T not a multiple of any strip or block (one case with T < the default strips), and B = 2;
     K3_CONV_PASS=torch (the torch copies) gives the same bits for all of x's and w's gradients."""
     monkeypatch.delenv("K3_CONV_PASS", raising=False)
+    # the kernels (the `bwd` fixture's without its dz-dtype variant, which the copy programs do not see)
+    monkeypatch.setenv("K3_CONV", mode.split("-")[0])
+    if mode == "window-small":  # 8-row strips: the copy programs cross many strips
+        monkeypatch.setenv("K3_CONV_BWDW_R", "8")
     if bc:
         for d in ("BWD", "BWDW"):
             monkeypatch.setenv(f"K3_CONV_{d}_BC", str(bc))
