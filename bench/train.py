@@ -47,6 +47,11 @@ def flops_per_token(model: K3ForCausalLM, seq_len: int, doc_lens: list[int] | No
     return train_flops.flops_per_token(model.config.text_config, model.num_parameters()[1], seq_len, doc_lens)
 
 
+def _median(xs: list[float]) -> float:
+    """The middle value (the upper one of an even count), as every timing of this script reports."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -121,15 +126,13 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
             opt_t.append(t2 - t1)
             if marks:
                 mb_ms.append([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
+    step, muon = _median(step_t), _median(opt_t)
     if mb_ms:  # where a step's time goes: first micro-batch (expert weight copies, fresh .grad), the rest, the rest of the step
-        first = sorted(m[0] for m in mb_ms)[len(mb_ms) // 2]
         rest = sorted(x for m in mb_ms for x in m[1:]) or [float("nan")]
-        print(f"# T {seq_len} x {accum}: micro-batch ms (device events, median) first {first:.1f}, others "
-              f"{rest[len(rest) // 2]:.1f} (min {rest[0]:.1f}, max {rest[-1]:.1f}); step {sorted(step_t)[len(step_t) // 2] * 1e3:.1f} "
-              f"= micro-batches {sorted(sum(m) for m in mb_ms)[len(mb_ms) // 2]:.1f} + optimizer "
-              f"{sorted(opt_t)[len(opt_t) // 2] * 1e3:.1f} + the rest", flush=True)
-    step = sorted(step_t)[len(step_t) // 2]
-    muon = sorted(opt_t)[len(opt_t) // 2]
+        print(f"# T {seq_len} x {accum}: micro-batch ms (device events, median) first {_median([m[0] for m in mb_ms]):.1f}, "
+              f"others {_median(rest):.1f} (min {rest[0]:.1f}, max {rest[-1]:.1f}); step {step * 1e3:.1f} "
+              f"= micro-batches {_median([sum(m) for m in mb_ms]):.1f} + optimizer {muon * 1e3:.1f} + the rest",
+              flush=True)
     tok_s = accum * B * seq_len / step
     tflops = tok_s * flops_per_token(model, seq_len, doc_lens) / 1e12
     return {"backend": backend, "embed": embed, "regions": regions, "docs": len(doc_lens), "T": seq_len, "B": B, "accum": accum, "step_ms": step * 1e3, "tok_s": tok_s,

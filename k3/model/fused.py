@@ -38,7 +38,7 @@ from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.router import router_logits
 from k3.ops.situ import situ_glu
-from k3.ops.triton_utils import env_flag
+from k3.ops.triton_utils import env_flag, triton_runs_on
 
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype
@@ -411,7 +411,7 @@ def _triton_choice(var: str, x: Tensor) -> bool:
         return var in TRITON_BY_DEFAULT and x.is_cuda and torch.is_grad_enabled()
     if choice not in ("inductor", "triton"):
         raise ValueError(f"{var} must be 'inductor' or 'triton', got {choice!r}")
-    return choice == "triton" and (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return choice == "triton" and triton_runs_on(x)
 
 
 class Kernels:

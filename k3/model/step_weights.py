@@ -7,8 +7,9 @@ fp32 read and a bf16 write), and in the backward autograd casts the weight's bf1
 once per optimizer step instead and the copy is shared by the step's micro-batches; each micro-batch's
 backward adds its gradient straight into the fp32 `.grad` (fp32 += bf16 in one pass, or an fp32 copy
 when `.grad` is None), as Megatron's main_grad does. The arithmetic is autograd's (upcasting bf16 is
-exact, then one fp32 add), so the gradients are bit-identical. k3-small on an H200: ~1.8 ms per
-65,536-token micro-batch for the routed experts, ~2 ms for the dense weights.
+exact, then one fp32 add), so the gradients are bit-identical. k3-small on an H200, per 65,536-token
+micro-batch: ~1.8 ms for the routed experts; with the dense weights too, casts and gradient accumulation
+4.7 -> 4.3 ms and ~330 fewer launches (docs/benchmarks.md, fourteenth session).
 
 The gradients bypass autograd's AccumulateGrad (no gradient hooks fire on these parameters), which is
 why only `step_weights()` turns this on: FSDP / expert-parallel wrappers need those hooks.

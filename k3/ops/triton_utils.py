@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take x: a CUDA tensor, or any tensor under TRITON_INTERPRET=1 (read per
+    call; the CPU tests' way to run the kernels)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def env_int(var: str, default: int, *, pow2: bool = False) -> int:
@@ -79,12 +86,10 @@ def _column_sum(X, Y, P, D, rows_per, BR: tl.constexpr, BD: tl.constexpr):
     tl.store(Y + s.to(tl.int64) * D + c, tl.sum(acc, 0), mask=c < D)
 
 
-def column_sum(parts: "torch.Tensor") -> "torch.Tensor":
+def column_sum(parts: torch.Tensor) -> torch.Tensor:
     """parts [P, D] fp32 (contiguous; e.g. per-program partial weight gradients) -> [D] fp32, summed in a
     fixed order (deterministic: no atomics). Two passes of one kernel: slices of rows in parallel, then
     their sums; torch's dim-0 reduction of such tall partials ran at about half the HBM bandwidth."""
-    import torch
-
     if parts.dim() != 2 or parts.dtype != torch.float32:
         raise ValueError(f"column_sum takes [P, D] fp32 partials, got {list(parts.shape)} {parts.dtype}")
     x = parts.contiguous()

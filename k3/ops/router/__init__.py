@@ -21,12 +21,11 @@ exact products are formed in fp32 (`a.float() @ b.float()`), so the splitting is
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from k3.ops.router.reference import router_logits_reference
+from k3.ops.triton_utils import triton_runs_on
 
 
 def split3(w: Tensor) -> Tensor:
@@ -73,7 +72,7 @@ class _RouterLogits(torch.autograd.Function):
         E = parts.shape[1]
         g = g.float().contiguous()
         dx = dw = None
-        if g.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if triton_runs_on(g):
             from k3.ops.router.triton_split import router_grad_split
 
             a, gp = router_grad_split(g)  # one kernel: both operands, the torch split's bits
