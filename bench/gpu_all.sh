@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm step ncuconv gaps
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -120,6 +120,9 @@ for s in $sections; do
       python bench/profile_step.py --phases train --compile --tokens 65536 --gaps --rows ${GAP_ROWS:-40} 2>&1 | quiet \
         > "$OUT/gaps.txt"
       grep -E "without the profiler" "$OUT/gaps.txt"; sed -n "/^## device gaps/,\$p" "$OUT/gaps.txt" | head -60 ;;
+    gmm)  # k3's Triton grouped GEMMs (k3.ops.grouped_gemm) vs torch._grouped_mm (+ the fp32 gradient add), tile sweep
+      python bench/grouped_gemm.py ${GMM_ARGS:-} 2>&1 | quiet > "$OUT/gmm.txt"
+      grep -E "^\||^#" "$OUT/gmm.txt" ;;
     groupedmm)  # the routed experts' five grouped GEMMs in alternative operand layouts (k3-small, 64K tokens)
       python bench/grouped_mm.py 2>&1 | quiet > "$OUT/groupedmm.txt"
       grep -E "^\||^#" "$OUT/groupedmm.txt" ;;
