@@ -11,6 +11,8 @@ from k3.config import TextConfig
 from k3.model.common import GLUMLP, RMSNorm, keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
+from k3.ops.grouped_gemm import expert_gemm
+from k3.ops.triton_utils import env_flag, triton_runs_on
 
 
 class Router(nn.Module):
@@ -81,7 +83,14 @@ class RoutedExperts(nn.Module):
             # the weights in place (a concatenation would copy them every call).
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             if torch.is_grad_enabled():
-                w13, w2c = self._train_weights(w1, w3, w2, z.dtype)
+                w13, w2c, shared = self._train_weights(w1, w3, w2, z.dtype)
+                if shared and triton_runs_on(z) and env_flag("K3_GMM_WGRAD", True):
+                    # inside step_weights(): the weight gradients go into the fp32 masters' .grad from
+                    # the GEMM itself (k3.ops.grouped_gemm), not through the step copies' autograd
+                    ab = expert_gemm(xs, w13, offs, (self.w1, self.w3))
+                    h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
+                    y = expert_gemm(h, w2c, offs, (self.w2,))
+                    return self.kernels.combine(y, w.float(), order, inv)
                 ab = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
                 h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
             else:
@@ -99,7 +108,7 @@ class RoutedExperts(nn.Module):
                 y = xs.new_zeros(0, w2.shape[1])
             else:
                 if torch.is_grad_enabled():  # as the GPU path: gate|up packed, the step's weight copies
-                    w13, w2c = self._train_weights(w1, w3, w2, xs.dtype)
+                    w13, w2c, _ = self._train_weights(w1, w3, w2, xs.dtype)
                     w13s = w13.unbind(0)
                     ab = torch.cat([xe[e] @ w13s[e].t() for e in live])
                     h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
@@ -115,18 +124,20 @@ class RoutedExperts(nn.Module):
         return self.kernels.combine(y, w.float(), order, inv)
 
     def _train_weights(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I]) in the compute dtype, for the training GEMMs.
-        Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's shared
-        copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M expert
-        parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an H200);
-        else cast, then concatenated (half the bytes of concatenating the fp32 masters first)."""
+                       ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I], shared) in the compute dtype, for the training
+        GEMMs. Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's
+        shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M
+        expert parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an
+        H200), shared=True: the caller may then add the weight gradients into the masters' `.grad` itself
+        (`k3.ops.grouped_gemm.expert_gemm`, K3_GMM_WGRAD=0 turns that off); else cast, then concatenated
+        (half the bytes of concatenating the fp32 masters first), shared=False."""
         cache = self.step_cache if self.weight_transform is None else None
         w13 = step_weight(cache, (w1, w3), dtype, dim=1)
         w2c = step_weight(cache, (w2,), dtype) if w13 is not None else None
         if w2c is not None:
-            return w13, w2c
-        return torch.cat([w1.to(dtype), w3.to(dtype)], dim=1), w2.to(dtype)
+            return w13, w2c, True
+        return torch.cat([w1.to(dtype), w3.to(dtype)], dim=1), w2.to(dtype), False
 
 
 class LatentMoE(nn.Module):

@@ -1,79 +1,28 @@
-"""Triton grouped GEMMs over expert-sorted rows (the routed experts' training GEMMs).
+"""The routed experts' weight-gradient GEMM in Triton.
 
 Rows of the [S, *] operands are sorted by expert; `offs` [E] int32 holds each expert's end row (the
-cumulative counts, as torch._grouped_mm takes them). Two kernels:
+cumulative counts, as torch._grouped_mm takes them). `_gmm_wgrad`: C_e (+)= a[rows_e]^T @ b[rows_e] in
+fp32, written (or added) straight into fp32 outputs, so the weight gradient lands in the master weight's
+`.grad` with no bf16 round trip and no separate accumulation pass. The M rows of C may be split over two
+outputs (w1's and w3's gradients of a packed gate|up GEMM): rows < M1 go to C1, the rest to C2.
 
-* `_gmm_rows`: out[r] = a[r] @ B_e for the rows r of expert e, B_e [K, N] read through strides from a
-  stacked [E, ., .] weight (so w^T and w are both plain views: forward and input-gradient GEMMs).
-  Programs walk (expert, row tile, column tile); a row tile never crosses an expert boundary (each
-  expert's rows are cut into cdiv(count, BM) tiles), so no row is computed against a wrong weight.
-* `_gmm_wgrad`: C_e (+)= a[rows_e]^T @ b[rows_e] in fp32, written (or added) straight into fp32 outputs:
-  the weight gradient lands in the master weight's `.grad` with no bf16 round trip and no separate
-  accumulation pass. The M rows of C may be split over two outputs (w1's and w3's gradients of a
-  packed gate|up GEMM): rows < M1 go to c1, the rest to c2.
+(A Triton version of the forward / input-gradient GEMMs was measured too and lost to torch._grouped_mm
+by 5-40% at k3-small's shapes, K = 512-1024: docs/benchmarks.md, fifteenth session.)
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _expert_of_tile(offs_ptr, tile, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
-    """(expert, first row, end row) of row tile `tile` when every expert's rows are cut into BM-row
-    tiles in expert order; expert == E when the tile is past the last one."""
-    e_ids = tl.arange(0, EP)
-    ends = tl.load(offs_ptr + e_ids, mask=e_ids < E, other=0)
-    starts = tl.load(offs_ptr + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0)
-    ends = tl.where(e_ids < E, ends, starts)
-    tiles = (ends - starts + BM - 1) // BM
-    cum = tl.cumsum(tiles, 0)
-    e = tl.sum((cum <= tile).to(tl.int32), 0)
-    before = tl.sum(tl.where(e_ids < e, tiles, 0), 0)
-    start = tl.sum(tl.where(e_ids == e, starts, 0), 0)
-    end = tl.sum(tl.where(e_ids == e, ends, 0), 0)
-    return e, start + (tile - before) * BM, end
-
-
-@triton.jit
-def _gmm_rows(A, B, C, offs_ptr, N, K, stride_am, stride_be, stride_bk, stride_bn, stride_cm,
-              E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              GROUP: tl.constexpr):
-    """C[r, n] = sum_k A[r, k] * B[e(r), k, n] (B through its strides), fp32 accumulation, C in C's dtype.
-    Grid: (row tiles upper bound) * cdiv(N, BN); A's K stride and C's N stride are 1."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BN)
-    # GROUP consecutive row tiles share a column tile before moving on: B tiles stay in L2
-    per_group = GROUP * n_tiles
-    g = pid // per_group
-    tile = g * GROUP + (pid % per_group) % GROUP
-    pn = (pid % per_group) // GROUP
-    e, r0, r1 = _expert_of_tile(offs_ptr, tile, E, EP, BM)
-    if e >= E:
-        return
-    rows = r0 + tl.arange(0, BM)
-    cols = pn * BN + tl.arange(0, BN)
-    ks = tl.arange(0, BK)
-    rmask = rows < r1
-    a_ptrs = A + rows.to(tl.int64)[:, None] * stride_am + ks[None, :]
-    b_ptrs = B + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        kmask = (k0 + ks) < K
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & (cols < N)[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BK
-        b_ptrs += BK * stride_bk
-    c_ptrs = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
+from k3.ops.triton_utils import INTERPRETED, env_int, env_tile
 
 
 @triton.jit
 def _gmm_wgrad(A, B, C1, C2, offs_ptr, M, N, M1, stride_am, stride_bm,
-               E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               ACCUMULATE: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACCUMULATE: tl.constexpr,
+               IEEE: tl.constexpr):
     """C_e[m, n] (+)= sum over rows r of expert e of A[r, m] * B[r, n], fp32. C1 [E, M1, N] takes rows
     m < M1, C2 [E, M - M1, N] the rest (C2 unused when M1 == M). Grid: (cdiv(M, BM) * cdiv(N, BN), E)."""
     pid = tl.program_id(0)
@@ -92,7 +41,10 @@ def _gmm_wgrad(A, B, C1, C2, offs_ptr, M, N, M1, stride_am, stride_bm,
         kmask = (k0 + ks) < r1
         a = tl.load(a_ptrs, mask=kmask[:, None] & (ms < M)[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None] & (ns < N)[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc)
+        if IEEE or INTERPRETED:  # fp32 operands exactly; the interpreter's half-precision dot is wrong
+            acc = tl.dot(tl.trans(a).to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
         a_ptrs += BK * stride_am
         b_ptrs += BK * stride_bm
     # the tile lies wholly in C1 or wholly in C2 (BM divides M1)
@@ -105,3 +57,43 @@ def _gmm_wgrad(A, B, C1, C2, offs_ptr, M, N, M1, stride_am, stride_bm,
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=cmask, other=0.0)
     tl.store(c_ptrs, acc, mask=cmask)
+
+
+def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: tuple[torch.Tensor, ...],
+              accumulate: bool) -> None:
+    """Per expert e: C_e (+)= a[rows_e]^T @ b[rows_e] in fp32, C = outs concatenated along dim 1.
+
+    Args:
+        a: [S, M], b: [S, N]: bf16 / fp16 / fp32, one dtype, rows sorted by expert, unit column stride.
+        offs: [E] int32 cumulative row counts.
+        outs: one [E, M, N] or two [E, M1, N], [E, M - M1, N] contiguous fp32 tensors (e.g. w1.grad and
+            w3.grad of a packed gate|up GEMM), written in place.
+        accumulate: add to outs (True) or overwrite them (False).
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+        raise ValueError(f"gmm_wgrad takes a [S, M] and b [S, N] of one dtype, got {list(a.shape)} {a.dtype}, "
+                         f"{list(b.shape)} {b.dtype}")
+    if len(outs) not in (1, 2):
+        raise ValueError(f"gmm_wgrad writes one or two outputs, got {len(outs)}")
+    E = outs[0].shape[0]
+    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
+        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
+    M, N = a.shape[1], b.shape[1]
+    M1 = outs[0].shape[1]
+    shapes = [list(o.shape) for o in outs]
+    want = [[E, M, N]] if len(outs) == 1 else [[E, M1, N], [E, M - M1, N]]
+    if shapes != want or any(o.dtype != torch.float32 or not o.is_contiguous() for o in outs):
+        raise ValueError(f"gmm_wgrad outputs must be contiguous fp32 {want}, got {shapes} "
+                         f"{[o.dtype for o in outs]}")
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    bm, bn, bk = env_tile("K3_GMMW", ("BM", "BN", "BK"), (128, 128, 64))
+    bm, bn = min(bm, max(16, triton.next_power_of_2(M))), min(bn, max(16, triton.next_power_of_2(N)))
+    while len(outs) == 2 and M1 % bm and bm > 16:  # a row tile must not straddle the two outputs
+        bm //= 2
+    if len(outs) == 2 and M1 % bm:
+        raise ValueError(f"gmm_wgrad: the split row {M1} must be a multiple of 16")
+    warps, stages = env_int("K3_GMMW_WARPS", 8), env_int("K3_GMMW_STAGES", 4)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), E)
+    _gmm_wgrad[grid](a, b, outs[0], outs[-1], offs, M, N, M1, a.stride(0), b.stride(0),
+                     BM=bm, BN=bn, BK=bk, ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, num_warps=warps, num_stages=stages)
