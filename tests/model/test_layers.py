@@ -331,7 +331,8 @@ def test_step_expert_weights_share_casts_and_accumulate_exact_grads():
         with model.step_weights() if shared else contextlib.nullcontext():
             seen = []  # the tensors themselves (ids of freed tensors can be reused)
             for x in xs:
-                w13, w2 = ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)
+                w13, w2, cached = ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)
+                assert cached == shared
                 seen.append(w13)
                 assert w13.dtype == torch.bfloat16 and w13.shape[1] == 2 * ex.w1.shape[1]
                 _expert_loss(w13, w2, x).backward()
@@ -348,7 +349,7 @@ def test_step_expert_weights_share_casts_and_accumulate_exact_grads():
                 pass
     ex.weight_transform = lambda w: w * 1.0  # a transform (QAT) keeps autograd's path
     with model.step_weights():
-        ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)
+        assert not ex._train_weights(ex.w1, ex.w3, ex.w2, torch.bfloat16)[2]
         assert ex.step_cache == {}
 
 
