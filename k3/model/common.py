@@ -84,12 +84,61 @@ class GLUMLP(nn.Module):
         """x [..., hidden] -> down(GLU(gate x, up x)) [..., hidden], plus `residual` (same shape) if given,
         added inside the down projection's GEMM (`linear_residual`)."""
         if torch.is_grad_enabled():  # one GEMM; the activation's gradient comes back as one tensor
-            ab = F.linear(x, gemm_weight(self.step_cache, (self.gate_proj.weight, self.up_proj.weight)))
-            h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
-        else:
-            a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
-            h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+            return self.down_from_gate_up(F.linear(x, self.gate_up_weight()), residual)
+        a, b = linear_multi(x, [[self.gate_proj.weight], [self.up_proj.weight]])
+        h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
         return linear_residual(h, self.down_proj.gemm_weight(), residual)
+
+    def gate_up_weight(self) -> torch.Tensor:
+        """[2 inter, hidden]: gate's and up's weights stacked (the step's shared copy inside step_weights())."""
+        return gemm_weight(self.step_cache, (self.gate_proj.weight, self.up_proj.weight))
+
+    def down_from_gate_up(self, ab: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of the training forward from the packed gate|up output ab [..., 2 inter]."""
+        h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
+        return linear_residual(h, self.down_proj.gemm_weight(), residual)
+
+
+class _FanIn(torch.autograd.Function):
+    """x [N, d] and its GEMMs y_i = x @ W_i^T for several consumers; see `fan_in_linears`."""
+
+    @staticmethod
+    def forward(ctx, x, *ws):  # noqa: ANN001 - autograd signature
+        ctx.save_for_backward(x, *ws)
+        return (x.view_as(x), *(torch.mm(x, w.t()) for w in ws))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gx, *gs):  # noqa: ANN001
+        x, *ws = ctx.saved_tensors
+        dx = gx
+        for g, w in zip(gs, ws):
+            if g is not None:  # the first product reads autograd's gx as its C, later ones add in place
+                dx = torch.mm(g, w) if dx is None else (torch.addmm(dx, g, w) if dx is gx else dx.addmm_(g, w))
+        dws = [g.t().mm(x) if g is not None and need else None
+               for g, need in zip(gs, ctx.needs_input_grad[1:])]
+        return (dx if ctx.needs_input_grad[0] else None, *dws)
+
+
+def fan_in_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    """(x', x @ W_1^T, ..., x @ W_n^T) for x [N, d] read by n GEMMs (weights [n_i, d]) and by other consumers
+    through x' (x itself, as a view); None where the plain path must run (grad disabled, or x not in the
+    compute dtype under autocast).
+
+    The backward forms x's gradient as one chain: dx = g_x' + sum_i g_i W_i, each product added in its GEMM's
+    epilogue (addmm: fp32 accumulator plus the running bf16 sum, rounded once), where autograd writes every
+    product and then adds the [N, d] tensors pairwise (k3-small's MoE input feeds the router, the latent
+    down projection and the shared experts: two adds of [65,536, 1,024] bf16 per layer, ~2 ms per micro-batch
+    on an H200). Weights come cast to the compute dtype (autocast's cast, or the step's shared copies) and
+    get their gradients as autograd's linear gives them (g_i^T x)."""
+    if not torch.is_grad_enabled() or x.dim() != 2:
+        return None
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    if x.dtype != dt:
+        return None
+    with torch.autocast(dev, enabled=False):
+        return _FanIn.apply(x, *(w.to(dt) for w in weights))
 
 
 def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

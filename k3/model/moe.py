@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from k3.config import TextConfig
-from k3.model.common import GLUMLP, RMSNorm, keep_fp32, linear_residual
+from k3.model.common import GLUMLP, RMSNorm, fan_in_linears, keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
 from k3.ops.grouped_gemm import expert_gemm
@@ -162,11 +162,22 @@ class LatentMoE(nn.Module):
         shared experts' and the up projection's GEMMs (`linear_residual`): no separate adds."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        shared = self.shared_experts
+        ab = None
+        # training: the down projection and the shared experts' gate|up as one fan-in (x2's three gradients
+        # summed inside the input-gradient GEMMs; env K3_MOE_FANIN=0 keeps autograd's adds)
+        fan = fan_in_linears(x2, [self.routed_expert_down_proj.gemm_weight()]
+                             + ([shared.gate_up_weight()] if shared is not None else [])
+                             ) if env_flag("K3_MOE_FANIN", True) else None
+        if fan is not None:
+            x2, z, *ab = fan
+        else:
+            z = self.routed_expert_down_proj(x2)
         idx, w, _ = self.gate(x2)
-        r = self.experts(self.routed_expert_down_proj(x2), idx, w).to(x.dtype)
+        r = self.experts(z, idx, w).to(x.dtype)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         rest = residual.reshape(-1, shape[-1]) if residual is not None else None
-        if self.shared_experts is not None:
-            rest = self.shared_experts(x2, rest)
+        if shared is not None:
+            rest = shared.down_from_gate_up(ab[0], rest) if ab else shared(x2, rest)
         return linear_residual(r, self.routed_expert_up_proj.gemm_weight(), rest).reshape(shape)
