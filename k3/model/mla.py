@@ -13,9 +13,10 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from k3.config import TextConfig
 from k3.model.cache import HybridCache, SeqLayout
-from k3.model.common import RMSNorm, linear_residual
+from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
 from k3.model.step_weights import StepLinear
+from k3.ops.triton_utils import env_flag
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
@@ -74,23 +75,48 @@ class GatedMLA(nn.Module):
         """`_expand` of the latent's two parts (c [..., S, kv_lora], k_pe [..., S, rope])."""
         return self.kernels.mla_kv(self.kv_b_proj(c), k_pe, self.num_heads, self.nope, self.v_dim)
 
-    def _out(self, x: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """attn [B, T, H, v] -> gate -> o_proj [+ residual, inside the GEMM]."""
+    def _out(self, x: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor | None,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
+        """attn [B, T, H, v] -> gate -> o_proj [+ residual, inside the GEMM]; `gate`: g_proj(x) if already made."""
         B, T = attn.shape[:2]
         attn = attn.reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
-            attn = self.kernels.sigmoid_gate(attn, self.g_proj(x), x.dtype)
+            attn = self.kernels.sigmoid_gate(attn, self.g_proj(x) if gate is None else gate, x.dtype)
         return linear_residual(attn, self.o_proj.gemm_weight(), residual)
+
+    def _fan_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Training: x's three GEMMs (q / q_a, kv_a, g) as one fan-in (`fan_in_linears`: x's gradient summed
+        inside the input-gradient GEMMs); (q [B, T, H, qk], latent [..., kv_lora] normalised, k_pe, gate or
+        None), or None for the plain path (env K3_FANIN=0, no grad, x off the compute dtype)."""
+        if not env_flag("K3_FANIN", True):
+            return None
+        q_lin = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        lins = [q_lin, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.use_output_gate else [])
+        fan = fan_in_linears(x.reshape(-1, x.shape[-1]), [m.gemm_weight() for m in lins])
+        if fan is None:
+            return None
+        B, T = x.shape[:2]
+        q, kv, *g = (t.reshape(B, T, -1) for t in fan[1:])
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        return (q.reshape(B, T, self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
+                g[0] if g else None)
 
     def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
-        q = self._q(x)
         if cache is None:  # the latent's parts go straight to the expansion (no concatenation to split again)
+            fan = self._fan_in(x)
+            if fan is not None:
+                q, c, k_pe, gate = fan
+                k, v = self._expand_parts(c, k_pe)
+                return self._out(x, self._attend_packed(q, k, v, layout), residual, gate)
+            q = self._q(x)
             k, v = self._expand_parts(*self._latent_parts(x))
             return self._out(x, self._attend_packed(q, k, v, layout), residual)
-        return self._out(x, self._attend_cached(q, self._latent(x), layout, cache), residual)
+        return self._out(x, self._attend_cached(self._q(x), self._latent(x), layout, cache), residual)
 
     # -- attention without a cache -------------------------------------------------------------
     def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SeqLayout) -> torch.Tensor:

@@ -165,10 +165,10 @@ class LatentMoE(nn.Module):
         shared = self.shared_experts
         ab = None
         # training: the down projection and the shared experts' gate|up as one fan-in (x2's three gradients
-        # summed inside the input-gradient GEMMs; env K3_MOE_FANIN=0 keeps autograd's adds)
+        # summed inside the input-gradient GEMMs; env K3_FANIN=0 keeps autograd's adds)
         fan = fan_in_linears(x2, [self.routed_expert_down_proj.gemm_weight()]
                              + ([shared.gate_up_weight()] if shared is not None else [])
-                             ) if env_flag("K3_MOE_FANIN", True) else None
+                             ) if env_flag("K3_FANIN", True) else None
         if fan is not None:
             x2, z, *ab = fan
         else:
