@@ -37,7 +37,10 @@ a bucket's momentum update, Nesterov update and Newton-Schulz are one kernel eac
 quintic steps) with no per-step cat; gradients arrive with one ``_foreach_copy_``, and weight decay
 and the update go out with ``_foreach_mul_`` / ``_foreach_add_``. ``cols`` blocks are stored as row
 blocks of the transposed parameter (NS(X^T) = NS(X)^T, exactly what Newton-Schulz does to tall
-blocks anyway), so every block is a contiguous slice. AdamW uses ``torch._foreach_*`` too. Sharded
+blocks anyway), so every block is a contiguous slice. With a bf16 Newton-Schulz on Triton-capable
+tensors (CUDA; ``K3_MUON_FUSED=0`` turns it off) the elementwise work around Newton-Schulz is two Triton
+kernels (:mod:`k3.optim.muon_kernels`): momentum + Nesterov + cast + norm partials in one pass, and
+decay + update from the bf16 result in one pass per (group, dtype). AdamW uses ``torch._foreach_*`` too. Sharded
 (DTensor) parameters take the per-parameter path through the ``_full``/``_apply_delta``/``_local``
 hooks that k3.distributed overrides.
 """
@@ -156,13 +159,30 @@ def newton_schulz(
         raise ValueError(f"x: expected [B, m, n], got shape {tuple(x.shape)}")
     if not 0 < steps < 100:
         raise ValueError(f"steps: must be in 1..99, got {steps}")
-    a, b, c = coefficients
+    return _ns_iterate(_cast_normalised(x, dtype, eps), steps, coefficients)
+
+
+def _cast_normalised(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
+    """x [B, m, n] cast to ``dtype``, every block divided by max(its Frobenius norm, eps) (the norm of the
+    cast block, in ``dtype``, reduced over the wide orientation as Newton-Schulz sees it)."""
     y = x.to(dtype)
+    norm = torch.linalg.vector_norm(y.transpose(1, 2) if y.shape[1] > y.shape[2] else y, dim=(1, 2), keepdim=True)
+    return y / norm.clamp(min=eps)
+
+
+def _ns_iterate(y: Tensor, steps: int, coefficients: tuple[float, float, float]) -> Tensor:
+    """The quintic steps on already normalised blocks (shared by :func:`newton_schulz` and the fused step,
+    whose prep kernel yields the norms).
+
+    y: [B, m, n] in the Newton-Schulz dtype, each block of Frobenius norm <= 1. Pass a temporary: this
+    frame then holds the only reference and frees it at the first step (a caller's name would keep a
+    second copy alive through the GEMMs). Returns [B, m, n] contiguous in y's dtype; tall blocks are
+    iterated transposed (the GEMMs see the same strides whether the division happened before or after).
+    """
+    a, b, c = coefficients
     tall = y.shape[1] > y.shape[2]
     if tall:
         y = y.transpose(1, 2)
-    norm = torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True)
-    y = y / norm.clamp(min=eps)
     for _ in range(steps):
         gram = torch.bmm(y, y.transpose(1, 2))
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -254,6 +274,7 @@ class _Bucket:
         self.grad = torch.empty_like(self.mom)
         self.mom_views = self.views(self.mom)
         self.grad_views = self.views(self.grad)
+        self._fused: tuple[tuple, tuple[list, list[int]]] | None = None  # see fused_plan
         for (p, _, _), view in zip(members, self.mom_views):
             old = state[p].get("momentum_buffer")
             if old is not None:
@@ -266,6 +287,17 @@ class _Bucket:
 
     def valid(self, state: dict) -> bool:
         return all(state[p].get("momentum_buffer") is v for (p, _, _), v in zip(self.members, self.mom_views))
+
+    def fused_plan(self) -> tuple[list[tuple[dict, Any]], list[int]]:
+        """:func:`~k3.optim.muon_kernels.plan_bucket_update` for the members, cached; rebuilt when a member's
+        storage moved (the launch tables hold address differences) or the program size changed."""
+        from k3.optim.muon_kernels import plan_bucket_update, update_block
+
+        key = (update_block(), tuple(p.data_ptr() for p, _, _ in self.members))
+        if self._fused is None or self._fused[0] != key:
+            starts = [o * self.m * self.n for o in self.offsets[:-1]]
+            self._fused = (key, plan_bucket_update(self.members, starts, key[0]))
+        return self._fused[1]
 
 
 class PerHeadMuon(torch.optim.Optimizer):
@@ -409,6 +441,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         """Momentum, Nesterov, one batched Newton-Schulz, decay and update for a whole bucket."""
         _, _, dtype, steps, coeffs, eps, mu, nesterov = b.key
         _foreach_by_layout(torch._foreach_copy_, b.grad_views, [p.grad for p, _, _ in b.members])
+        if self._fused_step(b):
+            self._fused_bucket_step(b)
+            return
         b.mom.lerp_(b.grad, 1 - mu)
         update = b.grad.lerp_(b.mom, mu) if nesterov else b.mom
         ortho = newton_schulz(update, steps, coeffs, eps, dtype)
@@ -430,6 +465,56 @@ class PerHeadMuon(torch.optim.Optimizer):
             if wd != 0:
                 _decay(params, 1 - lr * wd)
             _foreach_by_layout(torch._foreach_add_, params, deltas, alpha=-lr * scale)
+
+    @staticmethod
+    def _fused_step(b: _Bucket) -> bool:
+        """Whether the bucket takes the Triton path: bf16 / fp16 Newton-Schulz ('auto' on CUDA) on tensors
+        Triton runs on, unless K3_MUON_FUSED=0 (fp32 NS, CPU's 'auto', keeps the torch path)."""
+        if b.key[2] not in (torch.bfloat16, torch.float16):
+            return False
+        from k3.ops.triton_utils import env_flag, triton_runs_on
+
+        return env_flag("K3_MUON_FUSED", True) and triton_runs_on(b.mom)
+
+    @staticmethod
+    def _fused_normalised(b: _Bucket) -> Tensor:
+        """Momentum update (in place) and the normalised Nesterov update [B, m, n] in the NS dtype: the
+        prep kernel's norm (of the rounded blocks, fp32 sums) rounded to the NS dtype as vector_norm rounds
+        it, clamped and divided as in :func:`_cast_normalised` (in place: the kernel's output is scratch)."""
+        from k3.optim.muon_kernels import muon_prep
+
+        _, _, dtype, _, _, eps, mu, nesterov = b.key
+        u, sumsq = muon_prep(b.grad, b.mom, mu, nesterov, dtype)
+        return u.div_(sumsq.sqrt().to(dtype).view(-1, 1, 1).clamp(min=eps))
+
+    def _fused_bucket_step(self, b: _Bucket) -> None:
+        """The bucket step in two Triton passes around Newton-Schulz (gradients already copied in).
+
+        The prep kernel updates the momentum and writes the Nesterov update already rounded to the NS dtype
+        with its blocks' squared norms; the update kernel decays and updates the parameters straight from the
+        bf16 result (no fp32 copy of the stack, no separate decay pass). Rounding against the torch path:
+        momentum bit-identical; the norm's fp32 sum runs in another order, which can move the rounded bf16
+        norm by one ulp in rare blocks (none in the tests); fp32 parameters bit-identical otherwise (the
+        torch path's bf16 -> fp32 cast is exact); bf16 parameters as torch on CUDA -- torch's CPU bf16 add
+        rounds alpha to bf16, so on CPU they differ by an ulp here and there."""
+        from k3.optim import muon_kernels
+
+        _, _, _, steps, coeffs, _, _, _ = b.key
+        ortho = _ns_iterate(self._fused_normalised(b), steps, coeffs)
+        scale = 0.2 * math.sqrt(max(b.m, b.n))
+        plans, rest = b.fused_plan()
+        for group, plan in plans:
+            lr, wd = group["lr"], group["weight_decay"]
+            muon_kernels.apply_flat_update(plan, ortho, 1 - lr * wd if wd != 0 else 1.0, -lr * scale)
+        if rest:
+            views = b.views(ortho)
+            for i in rest:
+                p, group, _ = b.members[i]
+                lr, wd = group["lr"], group["weight_decay"]
+                if wd != 0:
+                    p.mul_(1 - lr * wd)  # per tensor: a python scalar stays exact for bf16 (see _decay)
+                # mixed-dtype add: the bf16 view is widened inside the kernel, the same fma as the torch path
+                p.add_(views[i], alpha=-lr * scale)
 
     # ---- per-parameter path (sharded parameters) ----------------------------------------------------
     def _muon_momentum(self, p: Tensor, group: dict[str, Any], spec: tuple[str, int]) -> _Pending:
