@@ -105,6 +105,7 @@ class _FanIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *ws):  # noqa: ANN001 - autograd signature
         ctx.save_for_backward(x, *ws)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zero GEMM operands)
         return (x.view_as(x), *(torch.mm(x, w.t()) for w in ws))
 
     @staticmethod

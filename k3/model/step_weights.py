@@ -39,6 +39,9 @@ class _StepWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype, dim, *params):  # noqa: ANN001 - autograd signature
         ctx.dim, ctx.params = dim, params  # the leaves themselves, not saved tensors: no version check needed
+        # a consumer that adds the weight gradient into the masters itself (k3.ops.grouped_gemm.expert_gemm)
+        # returns none for the copy: that must stay None here, not become a full-size zero tensor to add
+        ctx.set_materialize_grads(False)
         if len(params) == 1:
             return params[0].to(dtype)
         return torch.cat([p.to(dtype) for p in params], dim=dim)  # cast first: half the bytes of an fp32 cat
@@ -46,6 +49,8 @@ class _StepWeights(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: ANN001
+        if g is None:
+            return (None, None) + (None,) * len(ctx.params)
         off = 0
         for p, need in zip(ctx.params, ctx.needs_input_grad[2:]):
             n = p.shape[ctx.dim]

@@ -153,3 +153,30 @@ def test_nested_step_weights_raises():
             with model.step_weights():
                 pass
     assert all(m.step_cache is None for m in model.modules() if hasattr(m, "step_cache"))
+
+
+def test_step_copy_without_a_gradient_adds_nothing():
+    """A consumer that accumulates the masters' gradient itself (k3.ops.grouped_gemm.expert_gemm) returns
+    None for the step copy: the copy's backward must then not add a zero tensor (nor create `.grad`)."""
+
+    class _Own(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):  # noqa: ANN001
+            return x * w.sum()
+
+        @staticmethod
+        def backward(ctx, g):  # noqa: ANN001
+            return g, None
+
+    p = torch.nn.Parameter(torch.randn(3, 4))
+    cache: sw.StepCache = {}
+    w = sw.step_weight(cache, (p,), BF16)
+    calls = []
+    orig = sw.accumulate_grad
+    sw.accumulate_grad = lambda *a: calls.append(a) or orig(*a)
+    try:
+        x = torch.randn(5, requires_grad=True)
+        _Own.apply(x, w).sum().backward()
+    finally:
+        sw.accumulate_grad = orig
+    assert x.grad is not None and p.grad is None and not calls
