@@ -113,12 +113,26 @@ class _FanIn(torch.autograd.Function):
     def backward(ctx, gx, *gs):  # noqa: ANN001
         x, *ws = ctx.saved_tensors
         dx = gx
+        own = gx is not None and _unshared(gx)
         for g, w in zip(gs, ws):
-            if g is not None:  # the first product reads autograd's gx as its C, later ones add in place
-                dx = torch.mm(g, w) if dx is None else (torch.addmm(dx, g, w) if dx is gx else dx.addmm_(g, w))
+            if g is not None:  # each product added in its GEMM's epilogue; in place once dx is ours
+                dx = torch.mm(g, w) if dx is None else (dx.addmm_(g, w) if own else torch.addmm(dx, g, w))
+                own = True
         dws = [g.t().mm(x) if g is not None and need else None
                for g, need in zip(gs, ctx.needs_input_grad[1:])]
         return (dx if ctx.needs_input_grad[0] else None, *dws)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether a gradient handed to a backward is referenced by nothing else (no other tensor, no view, no
+    shared storage), so it may serve as the accumulator in place: the test autograd's AccumulateGrad makes
+    before taking a gradient over. (A consumer such as an add's backward hands one tensor to several
+    places; summing into that in place would corrupt the others.)"""
+    try:
+        return (t._use_count() == 1 and not t._is_view() and t.is_contiguous()
+                and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)  # t's and this call's
+    except (AttributeError, RuntimeError):  # private helpers: a torch without them copies
+        return False
 
 
 def fan_in_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
@@ -127,7 +141,8 @@ def fan_in_linears(x: torch.Tensor, weights: list[torch.Tensor]) -> tuple[torch.
     compute dtype under autocast).
 
     The backward forms x's gradient as one chain: dx = g_x' + sum_i g_i W_i, each product added in its GEMM's
-    epilogue (addmm: fp32 accumulator plus the running bf16 sum, rounded once), where autograd writes every
+    epilogue (addmm: fp32 accumulator plus the running bf16 sum, rounded once; into g_x' itself when nothing
+    else holds it, as the router's fresh gradient is: no copy of it first), where autograd writes every
     product and then adds the [N, d] tensors pairwise (k3-small's MoE input feeds the router, the latent
     down projection and the shared experts: two adds of [65,536, 1,024] bf16 per layer, ~2 ms per micro-batch
     on an H200). Weights come cast to the compute dtype (autocast's cast, or the step's shared copies) and

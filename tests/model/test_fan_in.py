@@ -81,3 +81,32 @@ def test_fan_in_switch_same_loss_and_grads(monkeypatch):
     assert torch.equal(la, lb) and ga.keys() == gb.keys()
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fan_in_never_writes_into_a_shared_gradient():
+    """x' added to another leaf: the add's backward hands one gradient tensor to both; the fan-in must not
+    sum into it in place (c.grad would change). A fresh gradient (exp's backward) is used in place."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 8, generator=g, requires_grad=True)
+    w = torch.randn(4, 8, generator=g, requires_grad=True)
+    c = torch.randn(16, 8, generator=g, requires_grad=True)
+    xr, y = fan_in_linears(x, [w])
+    ((xr + c).sum() + (y * y).sum()).backward()
+    assert torch.equal(c.grad, torch.ones_like(c))
+    torch.testing.assert_close(x.grad, 1 + 2 * (x @ w.t()) @ w)
+    x.grad = w.grad = None
+    xr, y = fan_in_linears(x, [w])
+    (xr.exp().sum() + (y * y).sum()).backward()
+    torch.testing.assert_close(x.grad, x.exp() + 2 * (x @ w.t()) @ w)
+
+
+def test_unshared_detects_sharing():
+    from k3.model.common import _unshared
+
+    t = torch.randn(6, 4)
+    assert _unshared(t)
+    v = t.view(24)
+    assert not _unshared(t) and not _unshared(v)
+    del v
+    assert _unshared(t)
+    assert not _unshared(torch.randn(4, 6).t())
