@@ -18,18 +18,13 @@ import os
 
 import torch
 
+from bench.grouped_mm import add_shape_args, counts
+
 ROOF = 790e12
 WGRAD_CONFIGS = [  # BM, BN, BK, warps, stages (first: the default)
     (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (128, 128, 64, 4, 5),
     (128, 128, 32, 4, 6), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4), (256, 128, 64, 8, 3),
 ]
-
-
-def counts(S: int, E: int, spread: float, gen: torch.Generator) -> torch.Tensor:
-    w = (1 + spread * torch.randn(E, generator=gen)).clamp_min(0.05)
-    c = torch.floor(w / w.sum() * S).long()
-    c[: S - int(c.sum())] += 1
-    return c
 
 
 def set_env(prefix: str, names: tuple[str, ...], values: tuple[int, ...]) -> None:
@@ -39,12 +34,7 @@ def set_env(prefix: str, names: tuple[str, ...], values: tuple[int, ...]) -> Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--latent", type=int, default=512)
-    ap.add_argument("--inter", type=int, default=512)
-    ap.add_argument("--spread", type=float, default=0.1)
+    add_shape_args(ap)
     ap.add_argument("--configs", default="all", choices=["all", "default"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -81,14 +81,19 @@ def variants(S: int, L: int, I: int, E: int, offs: torch.Tensor, gen: torch.Gene
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The experts' problem size (k3-small's by default), shared with bench/grouped_gemm.py."""
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--latent", type=int, default=512)
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--spread", type=float, default=0.1, help="relative spread of the per-expert counts")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/grouped_mm.py needs a CUDA device (torch._grouped_mm is CUDA-only)")
