@@ -57,34 +57,45 @@ def test_rows(dtype):
     _check(2, 37, 3, 16, 4, dtype)
 
 
-@pytest.fixture(params=["window", "window-small", "tiles-fp32", "tiles-half"])
-def bwd(request, monkeypatch):
-    """The kernels (env K3_CONV): the sliding-window ones (default tiles, and 8-row strips, so every test
-    crosses many strips) and the tiled ones, whose split backward keeps dz in fp32 or in x's
-    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype)."""
-    mode, dz = (request.param.split("-") + ["fp32"])[:2]
+def _kernels(param: str, monkeypatch) -> str:
+    mode, dz = (param.split("-") + ["fp32"])[:2]
     monkeypatch.setenv("K3_CONV", mode)
     if dz == "small":
         for d in ("FWDW", "BWDW"):
             monkeypatch.setenv(f"K3_CONV_{d}_R", "8")
     else:
         monkeypatch.setenv("K3_CONV_DZ", dz)
-    return request.param
+    return param
 
 
-def test_bf16_packed_documents(bwd):
+@pytest.fixture(params=["window", "window-small", "tiles-fp32", "tiles-half"])
+def bwd_strips(request, monkeypatch):
+    """The kernels (env K3_CONV): the sliding-window ones (default tiles, and 8-row strips, so the test
+    crosses many strips) and the tiled ones, whose split backward keeps dz in fp32 or in x's
+    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype). For the tests about
+    documents and block edges; the others take `bwd` (no 8-row strips: CPU interpreter time in CI)."""
+    return _kernels(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["window", "tiles-fp32", "tiles-half"])
+def bwd(request, monkeypatch):
+    """`bwd_strips` without the 8-row strips."""
+    return _kernels(request.param, monkeypatch)
+
+
+def test_bf16_packed_documents(bwd_strips):
     """bf16 inputs through every backward (the dz scratch's dtype only matters here): within
     bf16 tolerance of float64, across 64-row block edges."""
     _check(1, 150, 3, 48, 4, torch.bfloat16, cu=[0, 1, 3, 63, 66, 128, 129, 150], sliced=True)
 
 
-def test_packed_documents_with_short_ones(bwd):
+def test_packed_documents_with_short_ones(bwd_strips):
     # documents of length 1 and 2 (< W-1) and one crossing the 32-row block edge
     _check(1, 45, 3, 16, 4, torch.float32, cu=[0, 1, 3, 20, 38, 45])
 
 
 @pytest.mark.parametrize("W", [2, 3, 4, 5])
-def test_backward_block_edges(W, bwd):
+def test_backward_block_edges(W, bwd_strips):
     # several 32-row blocks (the backward reads output rows across block edges), documents starting just
     # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents; the
     # window kernels take W <= 4 (W 2, 3 zero-padded), W 5 runs the tiled ones whatever K3_CONV says
@@ -317,13 +328,16 @@ def _check_passthrough(B, T, S, C, P, dtype, cu=None, none=(), gdtype=None):
     return x.grad, w.grad
 
 
-@pytest.mark.parametrize("P, none, dtype, gdtype, bc", [
+_PASS_CASES = [
     ((5, 3, 1), (1,), torch.bfloat16, torch.float32, 16),  # 3 conv channel blocks, then the passthrough programs
     ((8,), (), torch.float32, torch.float32, None),
     ((5, 3, 1), (0, 2), torch.bfloat16, torch.bfloat16, None),
     ((4, 1, 2), (0, 1, 2), torch.float32, torch.float32, None),  # no passthrough gradient at all: zeros
-])
-@pytest.mark.parametrize("mode", ["window", "window-small", "tiles"])
+]
+
+
+@pytest.mark.parametrize("P, none, dtype, gdtype, bc, mode", [
+    case + (mode,) for mode in ("window", "tiles") for case in _PASS_CASES] + [_PASS_CASES[0] + ("window-small",)])
 def test_passthrough_gradients_in_the_launch(P, none, dtype, gdtype, bc, mode, monkeypatch):
     """The passthrough programs of the conv backward's launch (default, env K3_CONV_PASS=kernel) fill x's
     gradient's passthrough columns exactly (None: zeros; gradients made in another dtype, cast), with
