@@ -2,7 +2,7 @@
 
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
-`env_tile` / `env_int` read a kernel's program-tile and other integer knobs, `env_flag` its on/off switches.
+`env_tile` / `env_int` / `env_int_opt` read a kernel's program-tile and other integer knobs, `env_flag` its on/off switches.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def env_int(var: str, default: int, *, pow2: bool = False) -> int:
     if v < 1 or (pow2 and v & (v - 1)):
         raise ValueError(f"{var} must be a positive {'power of two' if pow2 else 'integer'}, got {v}")
     return v
+
+
+def env_int_opt(var: str, *, pow2: bool = False) -> int | None:
+    """An optional integer knob: None when env `var` is unset or empty, else `env_int`'s strict value."""
+    return env_int(var, 1, pow2=pow2) if os.environ.get(var) else None
 
 
 def env_tile(prefix: str, names: tuple[str, ...], defaults: tuple[int, ...]) -> tuple[int, ...]:

@@ -64,3 +64,24 @@ def test_env_int_knobs(monkeypatch):
 
     with pytest.raises(ValueError, match="K3_KDA_STAGES must be an integer"):
         _stages()
+
+
+def test_env_int_opt_knobs(monkeypatch):
+    """Optional integer knobs (KDA value blocks, register caps): unset or empty -> None; else env_int's strict
+    parse; the KDA value-block choice honours and checks it."""
+    from k3.ops.kda.chunk import _state_bv
+    from k3.ops.triton_utils import env_int_opt
+
+    monkeypatch.delenv("K3_TEST_KNOB", raising=False)
+    assert env_int_opt("K3_TEST_KNOB") is None
+    monkeypatch.setenv("K3_TEST_KNOB", "")
+    assert env_int_opt("K3_TEST_KNOB") is None
+    monkeypatch.setenv("K3_TEST_KNOB", "168")
+    assert env_int_opt("K3_TEST_KNOB") == 168
+    with pytest.raises(ValueError, match="K3_TEST_KNOB must be a positive power of two, got 168"):
+        env_int_opt("K3_TEST_KNOB", pow2=True)
+    monkeypatch.setenv("K3_KDA_BV", "32")
+    assert _state_bv(128, 1) == 32 and _state_bv(16, 1) == 16
+    monkeypatch.setenv("K3_KDA_BV", "48")
+    with pytest.raises(ValueError, match="K3_KDA_BV must be a positive power of two"):
+        _state_bv(128, 1)

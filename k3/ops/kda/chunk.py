@@ -52,7 +52,7 @@ from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
-from k3.ops.triton_utils import env_flag, env_int
+from k3.ops.triton_utils import env_flag, env_int, env_int_opt
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 
@@ -110,16 +110,6 @@ def chunk_meta(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.de
     return meta
 
 
-def _bv(V: int, programs_per_bv64: int) -> int:
-    """Value-block width of the sequential kernels: 64 when that fills the GPU, else narrower."""
-    if os.environ.get("K3_KDA_BV"):
-        return min(V, env_int("K3_KDA_BV", V, pow2=True))
-    bv = min(V, 64)
-    while bv > 16 and programs_per_bv64 * (64 // bv) < 264:
-        bv //= 2
-    return bv
-
-
 def _state_bv(V: int, NH: int) -> int:
     """Value-block width of the chunk-state scans (forward and backward; one program per (sequence,
     head, value block), sequential over the chunks): 64, narrower only when fewer than 64 programs
@@ -128,8 +118,8 @@ def _state_bv(V: int, NH: int) -> int:
     micro-batch (65,536 tokens in 8 documents, H 8: 64 pairs) BV 64 took the forward scan from
     0.74 ms (BV 128, 8 warps) and the backward from 1.49 ms (BV 16, the fill-the-GPU rule before) to
     0.43 / 0.54 ms; BV 32: 0.63 / 0.87 ms.  Env K3_KDA_BV overrides."""
-    if os.environ.get("K3_KDA_BV"):
-        return min(V, env_int("K3_KDA_BV", V, pow2=True))
+    if bv := env_int_opt("K3_KDA_BV", pow2=True):
+        return min(V, bv)
     bv = min(V, 64)
     while bv > 16 and NH * triton.cdiv(V, bv) < 64:
         bv //= 2
@@ -244,7 +234,8 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
         # K3_KDA_MAXNREG_INTRA caps the registers (e.g. 168: 3 CTAs per SM instead of 2, with
         # spills; a tuning experiment, GPU only)
-        extra = {"maxnreg": env_int("K3_KDA_MAXNREG_INTRA", 255)} if os.environ.get("K3_KDA_MAXNREG_INTRA") else {}
+        reg = env_int_opt("K3_KDA_MAXNREG_INTRA")
+        extra = {"maxnreg": reg} if reg else {}
         _kda_fwd_intra_v2[(NC, H)](
             q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
             W, U, P, QG, KG, GL, Tm, XW, meta.cu_seqlens, meta.chunk_info,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import env_int
+from k3.ops.triton_utils import env_int, env_int_opt
 
 __all__ = ["fused_recurrent_kda", "commit_states"]
 
@@ -134,8 +134,8 @@ def _bv(V: int, programs: int) -> int:
     """Value-block width: 64, narrower while that leaves fewer than 4 programs per SM; env
     K3_KDA_DEC_BV overrides.  Measured on the H200 (H96 K=V=128, 4 warps, CUDA graph): BV 64 moves
     the state at 87-91 % of the copy bandwidth for B 64-256, BV 32 at 79-81 %, BV 16 at 47 %."""
-    if os.environ.get("K3_KDA_DEC_BV"):
-        return min(V, env_int("K3_KDA_DEC_BV", V, pow2=True))
+    if bv := env_int_opt("K3_KDA_DEC_BV", pow2=True):
+        return min(V, bv)
     bv = min(V, 64)
     while bv > 16 and programs * (V // bv) < 528:
         bv //= 2

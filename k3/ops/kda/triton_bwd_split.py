@@ -41,7 +41,6 @@ triton-lang/triton#10629), so BK >= 4 * num_warps is enforced by the launcher.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -65,7 +64,7 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
-from k3.ops.triton_utils import env_flag, env_int
+from k3.ops.triton_utils import env_flag, env_int, env_int_opt
 
 
 @triton.jit
@@ -358,7 +357,8 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
     half = q.dtype != torch.float32
     # K3_KDA_MAXNREG_BWDSPLIT caps the key kernel's registers (more programs per SM, maybe spills;
     # a tuning experiment, GPU only)
-    extra = {"maxnreg": env_int("K3_KDA_MAXNREG_BWDSPLIT", 255)} if os.environ.get("K3_KDA_MAXNREG_BWDSPLIT") else {}
+    reg = env_int_opt("K3_KDA_MAXNREG_BWDSPLIT")
+    extra = {"maxnreg": reg} if reg else {}
     cumdot = env_flag("K3_KDA_CUMDOT_BWDSPLIT", half)
     colws = env_flag("K3_KDA_COLWS", True)
     WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
