@@ -53,10 +53,19 @@ class GatedMLA(nn.Module):
             self.g_proj = StepLinear(d, H * self.v_dim)
         self.o_proj = StepLinear(H * self.v_dim, d)
 
+    def _q_first(self) -> StepLinear:
+        """The GEMM that reads x for the queries: q_proj, or q_a_proj of the low-rank path."""
+        return self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+
     def _q(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.reshape(B, T, self.num_heads, self.nope + self.rope)
+        return self._q_from(self._q_first()(x))
+
+    def _q_from(self, q: torch.Tensor) -> torch.Tensor:
+        """The first query GEMM's output [B, T, *] -> q [B, T, H, nope+rope] (q_b_proj(q_a_layernorm(.)) when
+        low-rank)."""
+        if not hasattr(self, "q_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q.reshape(*q.shape[:2], self.num_heads, self.nope + self.rope)
 
     def _latent(self, x: torch.Tensor) -> torch.Tensor:
         """[latent normalised (kv_lora_rank) | k_pe (rope)] per token: what the cache stores."""
@@ -64,7 +73,11 @@ class GatedMLA(nn.Module):
 
     def _latent_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent normalised [..., kv_lora_rank], k_pe [..., rope]): `_latent` before its concatenation."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return self._latent_from(self.kv_a_proj_with_mqa(x))
+
+    def _latent_from(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_a_proj_with_mqa's output [..., kv_lora_rank + rope] -> (latent normalised, k_pe)."""
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def _expand(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +103,13 @@ class GatedMLA(nn.Module):
         None), or None for the plain path (env K3_FANIN=0, no grad, x off the compute dtype)."""
         if not env_flag("K3_FANIN", True):
             return None
-        q_lin = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
-        lins = [q_lin, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.use_output_gate else [])
+        lins = [self._q_first(), self.kv_a_proj_with_mqa] + ([self.g_proj] if self.use_output_gate else [])
         fan = fan_in_linears(x.reshape(-1, x.shape[-1]), [m.gemm_weight() for m in lins])
         if fan is None:
             return None
         B, T = x.shape[:2]
         q, kv, *g = (t.reshape(B, T, -1) for t in fan[1:])
-        if not hasattr(self, "q_proj"):
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        return (q.reshape(B, T, self.num_heads, self.nope + self.rope), self.kv_a_layernorm(c), k_pe,
-                g[0] if g else None)
+        return (self._q_from(q), *self._latent_from(kv), g[0] if g else None)
 
     def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

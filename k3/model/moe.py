@@ -82,22 +82,20 @@ class RoutedExperts(nn.Module):
             # gate and up share one grouped GEMM (one input-gradient GEMM in the backward); serving keeps
             # the weights in place (a concatenation would copy them every call).
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            masters: tuple[tuple[torch.Tensor, ...], ...] = ((), ())
             if torch.is_grad_enabled():
-                w13, w2c, shared = self._train_weights(w1, w3, w2, z.dtype)
-                if shared and triton_runs_on(z) and env_flag("K3_GMM_WGRAD", True):
+                w13, w2c, cached = self._train_weights(w1, w3, w2, z.dtype)
+                if cached and triton_runs_on(z) and env_flag("K3_GMM_WGRAD", True):
                     # inside step_weights(): the weight gradients go into the fp32 masters' .grad from
                     # the GEMM itself (k3.ops.grouped_gemm), not through the step copies' autograd
-                    ab = expert_gemm(xs, w13, offs, (self.w1, self.w3))
-                    h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
-                    y = expert_gemm(h, w2c, offs, (self.w2,))
-                    return self.kernels.combine(y, w.float(), order, inv)
-                ab = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)
+                    masters = ((self.w1, self.w3), (self.w2,))
+                ab = _expert_mm(xs, w13, offs, masters[0])
                 h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
             else:
                 a, b = (torch._grouped_mm(xs, t.to(z.dtype).transpose(-2, -1), offs=offs) for t in (w1, w3))
                 h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
                 w2c = w2.to(z.dtype)
-            y = torch._grouped_mm(h, w2c.transpose(-2, -1), offs=offs)
+            y = _expert_mm(h, w2c, offs, masters[1])
         else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
             # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice;
             # the activation runs once over all slots, as on the GPU path.
@@ -125,19 +123,28 @@ class RoutedExperts(nn.Module):
 
     def _train_weights(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I], shared) in the compute dtype, for the training
+        """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I], cached) in the compute dtype, for the training
         GEMMs. Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's
         shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M
         expert parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an
-        H200), shared=True: the caller may then add the weight gradients into the masters' `.grad` itself
+        H200), cached=True: the caller may then add the weight gradients into the masters' `.grad` itself
         (`k3.ops.grouped_gemm.expert_gemm`, K3_GMM_WGRAD=0 turns that off); else cast, then concatenated
-        (half the bytes of concatenating the fp32 masters first), shared=False."""
+        (half the bytes of concatenating the fp32 masters first), cached=False."""
         cache = self.step_cache if self.weight_transform is None else None
         w13 = step_weight(cache, (w1, w3), dtype, dim=1)
         w2c = step_weight(cache, (w2,), dtype) if w13 is not None else None
         if w2c is not None:
             return w13, w2c, True
         return torch.cat([w1.to(dtype), w3.to(dtype)], dim=1), w2.to(dtype), False
+
+
+def _expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, masters: tuple[torch.Tensor, ...]
+               ) -> torch.Tensor:
+    """Rows of expert e times w[e]^T (x [S, K], w [E, N, K] -> [S, N]); with `masters` the weight gradient goes
+    into their fp32 `.grad` (`expert_gemm`), else autograd's through w."""
+    if masters:
+        return expert_gemm(x, w, offs, masters)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
 class LatentMoE(nn.Module):

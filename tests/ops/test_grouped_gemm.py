@@ -119,6 +119,8 @@ def test_expert_gemm_rejects_bad_inputs():
         expert_gemm(x, w, offs, masters[:1])
     with pytest.raises(ValueError, match="masters"):
         expert_gemm(x, w, offs, tuple(p.detach().to(torch.bfloat16) for p in masters))
+    with pytest.raises(ValueError, match="all require grad or none"):
+        expert_gemm(x, w, offs, (masters[0], masters[1].detach()))
 
 
 @pytest.mark.gpu

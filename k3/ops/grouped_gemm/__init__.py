@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from k3.ops.grouped_gemm.reference import gmm_reference
+from k3.ops.grouped_gemm.triton_gmm import check_offs, gmm_wgrad
 
 __all__ = ["expert_gemm"]
 
@@ -39,15 +40,11 @@ class _ExpertGEMM(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):  # noqa: ANN001
-        from k3.ops.grouped_gemm.triton_gmm import gmm_wgrad
-
         x, w, offs = ctx.saved_tensors
         g = g.contiguous()
         dx = _gmm(g, w, offs) if ctx.needs_input_grad[0] else None
-        masters = [p for p in ctx.masters if p.requires_grad]
-        if masters:
-            if len(masters) != len(ctx.masters):
-                raise RuntimeError("expert_gemm: a frozen master in a packed group is not supported")
+        masters = ctx.masters
+        if masters[0].requires_grad:  # all or none (checked by expert_gemm)
             fresh = all(p.grad is None for p in masters)
             for p in masters:
                 if p.grad is None:  # the step's first micro-batch writes, later ones add
@@ -74,11 +71,12 @@ def expert_gemm(x: Tensor, w: Tensor, offs: Tensor, masters: tuple[Tensor, ...])
         raise ValueError(f"expert_gemm takes x [S, K] and w [E, N, K] of one dtype, got {list(x.shape)} "
                          f"{x.dtype}, {list(w.shape)} {w.dtype}")
     E, N, K = w.shape
-    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
-        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
+    check_offs(offs, E)
     if not 1 <= len(masters) <= 2 or sum(p.shape[1] for p in masters) != N or any(
             p.dtype != torch.float32 or list(p.shape) != [E, p.shape[1], K] or not p.is_contiguous()
             for p in masters):
         raise ValueError(f"expert_gemm masters must be one or two contiguous fp32 [{E}, N_i, {K}] tensors with "
                          f"sum N_i = {N}, got {[(list(p.shape), p.dtype) for p in masters]}")
+    if len({p.requires_grad for p in masters}) > 1:
+        raise ValueError("expert_gemm: the masters of a packed GEMM must all require grad or none")
     return _ExpertGEMM.apply(x, w, offs, tuple(masters))

@@ -59,6 +59,12 @@ def _gmm_wgrad(A, B, C1, C2, offs_ptr, M, N, M1, stride_am, stride_bm,
     tl.store(c_ptrs, acc, mask=cmask)
 
 
+def check_offs(offs: torch.Tensor, E: int) -> None:
+    """offs must be the [E] int32 cumulative row counts of the experts."""
+    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
+        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
+
+
 def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: tuple[torch.Tensor, ...],
               accumulate: bool) -> None:
     """Per expert e: C_e (+)= a[rows_e]^T @ b[rows_e] in fp32, C = outs concatenated along dim 1.
@@ -76,8 +82,7 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: tuple[
     if len(outs) not in (1, 2):
         raise ValueError(f"gmm_wgrad writes one or two outputs, got {len(outs)}")
     E = outs[0].shape[0]
-    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
-        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
+    check_offs(offs, E)
     M, N = a.shape[1], b.shape[1]
     M1 = outs[0].shape[1]
     shapes = [list(o.shape) for o in outs]

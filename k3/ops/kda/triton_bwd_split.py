@@ -41,7 +41,6 @@ triton-lang/triton#10629), so BK >= 4 * num_warps is enforced by the launcher.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
