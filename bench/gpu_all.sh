@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -136,6 +136,14 @@ for s in $sections; do
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
+    dist)  # 2 GPUs over NCCL (needs a 2-GPU kind): the distributed equalities with CUDA tensors, then k3 train
+      # under torchrun (FSDP2, --ep 2, --cp 2) vs one GPU: losses, tokens/s per GPU, scaling, peak memory
+      # (DIST_ARGS: more bench/dist.py flags, e.g. "--long-seq 131072")
+      K3_TEST_DEVICE=cuda python -m pytest -q tests/distributed 2>&1 | tail -30 > "$OUT/dist_tests.txt"
+      grep -E "passed|failed|^FAILED|^E " "$OUT/dist_tests.txt" | head -20
+      python bench/dist.py --preset ${DIST_PRESET:-k3-small} --steps ${DIST_STEPS:-6} --compile ${DIST_ARGS:-} \
+        2>&1 | quiet > "$OUT/dist.txt"
+      grep -E "^\||^#" "$OUT/dist.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
