@@ -26,7 +26,7 @@ from k3.envs.base import Environment, Reward, TaskInfo, ToolError
 from k3.envs.schema import ToolSpec
 
 __all__ = ["Call", "ToolError", "App", "Clock", "Task", "AppWorld", "spec", "S", "I", "B", "A",
-           "fmt_day", "has", "pick", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
+           "fmt_day", "has", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
 
 BASE_DATE = date(2026, 3, 2)      # day 0 of every world's calendar (a Monday)
 MAX_TEXT = 4000                   # longest free text a tool accepts
@@ -40,6 +40,20 @@ ORGS = ("acme.com", "globex.io", "initech.net", "umbrella.org", "stark.dev", "wa
 TOPICS = ("budget review", "quarterly report", "office move", "hiring plan", "product launch", "team offsite",
           "server migration", "client workshop", "design sprint", "security audit", "annual survey",
           "vendor contract", "training day", "roadmap update", "board meeting", "customer feedback")
+
+
+FACTS = (("the meeting can start at {h}:00 on {d}", ("{h}:00", "{d}")),
+         ("the budget is {n} EUR", ("{n} EUR",)),
+         ("the room is B{n}", ("B{n}",)),
+         ("I will send the slides by {d}", ("slides", "{d}")))
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
+
+
+def make_fact(rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    """A sentence to put in a message and the phrases a verifier requires of it."""
+    text, needles = rng.choice(FACTS)
+    vals = {"h": rng.randint(8, 17), "d": rng.choice(DAYS), "n": rng.randint(100, 9999)}
+    return text.format(**vals), tuple(n.format(**vals) for n in needles)
 
 
 def person(rng: random.Random, taken: set[str] | None = None) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import random
 import re
 
 from k3.envs.worlds.common import (MAX_LIST, MAX_TEXT, ORGS, TOPICS, A, App, AppWorld, B, Call, S, Task,
-                                   ToolError, fmt_day, get, has, person, spec)
+                                   ToolError, fmt_day, get, has, make_fact, person, spec)
 
 FOLDERS = ("inbox", "archive", "sent", "drafts", "trash")
 EMAIL_RE = re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)+$")
@@ -175,20 +175,6 @@ def find_id(result, **want) -> str:
 
 
 # ---------------------------------------------------------------------------------- families
-FACTS = (("the meeting can start at {h}:00 on {d}", ("{h}:00", "{d}")),
-         ("the budget is {n} EUR", ("{n} EUR",)),
-         ("the room is B{n}", ("B{n}",)),
-         ("I will send the slides by {d}", ("slides", "{d}")))
-DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
-
-
-def make_fact(rng: random.Random) -> tuple[str, tuple[str, ...]]:
-    """A sentence to put in a message and the phrases a verifier requires of it."""
-    text, needles = rng.choice(FACTS)
-    vals = {"h": rng.randint(8, 17), "d": rng.choice(DAYS), "n": rng.randint(100, 9999)}
-    return text.format(**vals), tuple(n.format(**vals) for n in needles)
-
-
 def reply_family(w: "MailWorld", rng: random.Random) -> Task:
     mail, taken = w.apps["mail"], w.taken
     name, addr = person(rng, taken)
