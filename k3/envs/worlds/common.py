@@ -177,7 +177,7 @@ class AppWorld(Environment):
 
     world = "apps"
     families: tuple[Family, ...] = ()
-    app_names: tuple[str, ...] = ()
+    allow: frozenset[str] | None = None     # tool names offered (None: every tool of every app)
 
     def __init__(self) -> None:
         super().__init__()
@@ -214,7 +214,7 @@ class AppWorld(Environment):
                 f"task asks for, call check_progress for feedback, and reply without a tool call when done.")
 
     def tool_specs(self) -> list[ToolSpec]:
-        specs = [s for app in self.apps.values() for s in app.specs()]
+        specs = [s for app in self.apps.values() for s in app.specs() if self.allow is None or s.name in self.allow]
         if self.current and self.current.days > 1:
             specs.append(spec("advance_day", "End today and move to the next day; returns what arrived."))
         specs.append(spec("check_progress", "Public check of the task's progress (feedback only)."))
@@ -226,7 +226,7 @@ class AppWorld(Environment):
         if name == "advance_day":
             return self.advance_day()
         for app in self.apps.values():
-            if any(s.name == name for s in app.specs()):
+            if any(s.name == name for s in app.specs()) and (self.allow is None or name in self.allow):
                 return app.call(name, args)
         raise ToolError(f"tool {name!r} is not available in this task")
 
@@ -234,8 +234,15 @@ class AppWorld(Environment):
         if self.clock.day >= 10 + self.current.days - 1:
             raise ToolError("this is the last day of the task; finish the work today")
         self.clock.day += 1
+        pre = self.snapshot()
         for event in self.clock.events.pop(self.clock.day, []):
             event()
+        post = self.snapshot()
+        for k in pre.keys() | post.keys():      # what events deliver is part of the baseline, not the agent's doing
+            if k not in post:
+                self.before.pop(k, None)
+            elif pre.get(k) != post[k]:
+                self.before[k] = post[k]
         return {"today": fmt_day(self.clock.day), "note": "new day: check the apps for new messages"}
 
     def public_check(self) -> str:
