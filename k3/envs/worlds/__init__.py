@@ -5,6 +5,7 @@
     task_seeds(split, n, world=None)         n seeds of "train" or "heldout" (disjoint: held-out seeds
                                              are the ones with seed % 10 == 9)
     oracle_trajectories(world, seeds)        verified oracle episodes as SFT conversations
+    agent_scores(world, seeds)               success rates of the built-in agents (oracle, random, hacker)
 
 "shell" lives in `k3.envs.worlds.shell` (a sandboxed file-system world) and is imported lazily.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Iterable
 
-from k3.envs.agents import OracleAgent
+from k3.envs.agents import OracleAgent, RandomAgent, RewardHackerAgent
 from k3.envs.base import Environment, run_episode
 
 WORLDS = ("mail", "chat", "notes", "course", "assistant", "shell")
@@ -82,3 +83,28 @@ def oracle_trajectories(world: str, seeds: Iterable[int], max_turns: int = 40) -
         out.append({"messages": ep.messages, "tools": ep.tools, "meta": meta})
     env.close()
     return out
+
+
+def agent_scores(world: str, seeds: Iterable[int], max_turns: int = 40) -> dict:
+    """Hidden-verifier success rates of the built-in agents on `seeds` of `world`.
+
+    Returns {"tasks", "oracle", "random", "random_score", "hackable", "hacker_public", "hacker_hidden"}:
+    rates in [0, 1] ("random_score" is the random agent's mean partial-credit score); the hacker's rates are over the tasks whose public check can be gamed (`hackable` of
+    them): how often it passes the public check and how often the hidden verifier's success.
+    """
+    env, seeds = make_world(world), list(seeds)
+    oracle = random_ok = random_score = hackable = hack_public = hack_hidden = 0
+    for seed in seeds:
+        oracle += run_episode(env, OracleAgent(env), seed, max_turns=max_turns).reward.success
+        reward = run_episode(env, RandomAgent(seed), seed, max_turns=max_turns).reward
+        random_ok, random_score = random_ok + reward.success, random_score + reward.score
+        if getattr(env, "hacker", lambda: None)() is not None:
+            hackable += 1
+            ep = run_episode(env, RewardHackerAgent(env), seed, max_turns=max_turns)
+            hack_public += env.public_check().startswith("PASS")
+            hack_hidden += ep.reward.success
+    env.close()
+    n = max(len(seeds), 1)
+    return {"tasks": len(seeds), "oracle": oracle / n, "random": random_ok / n,
+            "random_score": random_score / n, "hackable": hackable,
+            "hacker_public": hack_public / max(hackable, 1), "hacker_hidden": hack_hidden / max(hackable, 1)}

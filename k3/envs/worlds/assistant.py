@@ -226,8 +226,9 @@ def reminder_family(w: "AssistantWorld", rng: random.Random) -> Task:
     thing = rng.choice(("dentist appointment", "report deadline", "rent payment", "visa renewal", "team lunch"))
     when = fmt_day(w.clock.day + 2)
     chat.post("@" + x, x, f"Could you email me a reminder about the {thing} on {when}? My address is {xa}. Thanks!")
-    instruction = rng.choice((f"Check my direct messages from {xn.split()[0]} and take care of the request. This job runs for 3 days.",
-                              f"{xn.split()[0]} sent me a DM with a request; handle it over the coming days (3 days in total)."))
+    instruction = rng.choice((f"Check my direct messages from {xn} and take care of the request. This job runs for 3 days.",
+                              f"{xn} sent me a DM with a request; handle it over the coming days (3 days in total).",
+                              f"For the next three days, look after whatever {xn.split()[0]} ({x}) asked me in chat."))
 
     def verify():
         sent = mail.sent()

@@ -28,6 +28,8 @@ from k3.envs.schema import ToolSpec
 __all__ = ["Call", "ToolError", "App", "Clock", "Task", "AppWorld", "spec", "S", "I", "B", "A",
            "fmt_day", "has", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
 
+OPENERS = ("", "", "Hi! ", "Quick task: ", "Could you help me? ", "When you have a moment: ", "Hey, ")
+CLOSERS = ("", "", " Thanks!", " Thank you.", " Cheers.", " Let me know when it's done.", " Thanks a lot.")
 BASE_DATE = date(2026, 3, 2)      # day 0 of every world's calendar (a Monday)
 MAX_TEXT = 4000                   # longest free text a tool accepts
 MAX_LIST = 10                     # list tools return at most this many rows
@@ -201,6 +203,7 @@ class AppWorld(Environment):
         self.current = family(self, rng)
         self.before = self.snapshot()
         task = self.current
+        task.instruction = rng.choice(OPENERS) + task.instruction + rng.choice(CLOSERS)
         info = TaskInfo(self.world, f"{self.world}-{seed}", seed, task.difficulty, task.kind, tuple(self.apps))
         return [{"role": "system", "content": self.system_prompt()},
                 {"role": "user", "content": task.instruction}], info

@@ -357,15 +357,17 @@ def changed_family(w: "CourseWorld", rng: random.Random) -> Task:
 
 def extension_family(w: "CourseWorld", rng: random.Random) -> Task:
     app = w.apps["course"]
-    soon = {}
+    soon, k = {}, rng.randint(2, 4)
     for cid in app.courses:
         if rng.random() < 0.6 or not soon:
-            soon[cid] = app.assignment(rng, cid, w.clock.day + rng.randint(0, 3))
-        app.assignment(rng, cid, w.clock.day + rng.randint(6, 14))
-    instruction = rng.choice(("I'm sick this week. For every course with an unsubmitted assignment due in the next 3 days, post a "
+            soon[cid] = app.assignment(rng, cid, w.clock.day + rng.randint(0, k))
+        app.assignment(rng, cid, w.clock.day + rng.randint(k + 3, 14))
+    why = rng.choice(("I'm sick this week", "I have a family emergency", "I'm travelling for a conference", "My laptop broke"))
+    codes = ", ".join(c["code"] for c in app.courses.values())
+    instruction = rng.choice((f"{why}. For every course ({codes}) with an unsubmitted assignment due in the next {k} days, post a "
                               "discussion thread asking for an extension, naming the assignment in the title.",
-                              "Ask for extensions: in each of my courses that has something due within 3 days that I haven't "
-                              "submitted, start a discussion titled with that assignment's name."))
+                              f"Ask for extensions ({why.lower()}): in each of my courses that has something due within {k} days "
+                              "that I haven't submitted, start a discussion titled with that assignment's name."))
 
     def verify():
         checks = {}
@@ -381,7 +383,7 @@ def extension_family(w: "CourseWorld", rng: random.Random) -> Task:
 
     def solve():
         courses = yield Call("list_courses", {}, "I'll go through my courses one by one.")
-        limit = fmt_day(w.clock.day + 3)
+        limit = fmt_day(w.clock.day + k)
         for c in courses:
             rows = yield Call("list_assignments", {"course_id": c["id"]}, f"Checking {c['code']} for work due by {limit}.")
             for r in rows:
@@ -389,7 +391,7 @@ def extension_family(w: "CourseWorld", rng: random.Random) -> Task:
                     yield Call("post_discussion", {"course_id": c["id"], "title": f"Extension request: {r['title']}",
                                                    "body": f"I'm ill this week; could I get an extension for {r['title']} (due {r['due']})?"},
                                f"\"{r['title']}\" is due {r['due']}; asking for an extension.")
-        return "Asked for extensions where something is due within 3 days."
+        return f"Asked for extensions where something is due within {k} days."
 
     def hack():
         cid = next(iter(soon))

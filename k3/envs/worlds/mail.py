@@ -218,9 +218,11 @@ def archive_family(w: "MailWorld", rng: random.Random) -> Task:
     mail = w.apps["mail"]
     news = [mail.newsletter(rng) for _ in range(rng.randint(2, 4))]
     news = [m for m in mail.msgs if "newsletter" in mail.msgs[m]["labels"]]
-    instruction = rng.choice(("Archive all the newsletters in my inbox.",
-                              "My inbox is cluttered: move every newsletter to the archive (don't delete them).",
-                              "Clean up: archive the newsletter emails, leave everything else where it is."))
+    brands = sorted({mail.msgs[m]["from_name"] for m in news})
+    instruction = rng.choice((f"Archive all the newsletters in my inbox ({', '.join(brands)}).",
+                              f"My inbox is cluttered: move every newsletter to the archive (don't delete them). "
+                              f"I count {len(news)} of them.",
+                              f"Clean up: archive the {' and '.join(brands)} newsletter emails, leave everything else where it is."))
 
     def verify():
         return ({"every newsletter archived": all(mail.msgs[m]["folder"] == "archive" for m in news)}, keys(
@@ -281,13 +283,16 @@ def send_family(w: "MailWorld", rng: random.Random) -> Task:
 
 def forward_family(w: "MailWorld", rng: random.Random) -> Task:
     mail, today = w.apps["mail"], w.clock.day
-    recent = [mail.invoice(rng, today - rng.randint(0, 6)) for _ in range(rng.randint(2, 4))]
+    k = rng.randint(5, 10)
+    recent = [mail.invoice(rng, today - rng.randint(0, k - 1)) for _ in range(rng.randint(2, 4))]
     for _ in range(rng.randint(1, 3)):
-        mail.invoice(rng, today - rng.randint(9, 20))
-    target = f"accounting@{rng.choice(ORGS)}"
-    instruction = rng.choice((f"Forward all invoices from the last 7 days to {target}.",
-                              f"Accounting ({target}) needs this week's invoices: forward each invoice I got in the "
-                              f"last 7 days to them, nothing older."))
+        mail.invoice(rng, today - rng.randint(k + 2, k + 14))
+    team = rng.choice(("accounting", "finance", "bookkeeping", "payables"))
+    target = f"{team}@{rng.choice(ORGS)}"
+    instruction = rng.choice((f"Forward all invoices from the last {k} days to {target}.",
+                              f"{team.capitalize()} ({target}) needs recent invoices: forward each invoice I got in the "
+                              f"last {k} days to them, nothing older.",
+                              f"Send every invoice received since {fmt_day(today - k + 1)} to {target} (forward them)."))
 
     def verify():
         fwd = [m for m in mail.sent() if m["forward_of"]]
@@ -301,7 +306,7 @@ def forward_family(w: "MailWorld", rng: random.Random) -> Task:
 
     def solve():
         res = yield Call("search_emails", {"label": "invoice"}, "First I list the invoices with their dates.")
-        cutoff = fmt_day(today - 6)
+        cutoff = fmt_day(today - k + 1)
         ids = [r["id"] for r in res["results"] if r["date"] >= cutoff]
         for i, mid in enumerate(ids):
             yield Call("forward_email", {"email_id": mid, "to": [target]},
@@ -318,14 +323,16 @@ def forward_family(w: "MailWorld", rng: random.Random) -> Task:
 def label_family(w: "MailWorld", rng: random.Random) -> Task:
     mail = w.apps["mail"]
     org = rng.choice(ORGS)
-    label = rng.choice(("client", "follow-up", "important", "partner", f"{org.split('.')[0]}"))
+    label = rng.choice(("client", "follow-up", "important", "partner", "vendor", "priority", "later", "review",
+                        org.split(".")[0], f"{org.split('.')[0]}-team"))
     for _ in range(rng.randint(2, 3)):
         name, addr = person(rng, w.taken)
         addr = addr.split("@")[0] + "@" + org
         mail.deliver(addr, name, f"{rng.choice(TOPICS).capitalize()}", "See attached.", rng.randint(1, 10))
     targets = [m for m, v in mail.msgs.items() if v["from"].endswith("@" + org)]
     instruction = rng.choice((f"Label every email from people at {org} with \"{label}\".",
-                              f"Add the label \"{label}\" to all mail sent from the {org} domain."))
+                              f"Add the label \"{label}\" to all mail sent from the {org} domain.",
+                              f"Everything in my inbox from @{org} should carry the label {label}. Please add it."))
 
     def verify():
         return ({"all labelled": all(label in mail.msgs[m]["labels"] for m in targets)},

@@ -284,7 +284,7 @@ def create_family(w: "NotesWorld", rng: random.Random) -> Task:
 
 def move_family(w: "NotesWorld", rng: random.Random) -> Task:
     notes = w.apps["notes"]
-    tag = rng.choice(("q3", "handover", "legal", "onboarding"))
+    tag = f"{rng.choice(('handover', 'legal', 'onboarding', 'finance', 'hiring'))}-{rng.choice(('q1', 'q2', 'q3', 'q4'))}"
     dest = rng.choice(list(notes.sections))
     others = [s for s in notes.sections if s != dest]
     for _ in range(rng.randint(2, 3)):
@@ -292,7 +292,8 @@ def move_family(w: "NotesWorld", rng: random.Random) -> Task:
                    notes.sections[rng.choice(others)], (tag,), ["..."])
     tagged = [p for p, v in notes.pages.items() if tag in v["tags"]]
     instruction = rng.choice((f"Move every page tagged \"{tag}\" under the {dest} page.",
-                              f"All {tag} pages belong in {dest}; move them there."))
+                              f"All {tag} pages belong in {dest}; move them there.",
+                              f"Reorganise my notes: each page with the tag {tag} goes under {dest}."))
 
     def verify():
         return {"all tagged pages moved": all(notes.pages[p]["parent"] == notes.sections[dest] for p in tagged)}, pk(*tagged)
@@ -371,7 +372,8 @@ def open_tasks_family(w: "NotesWorld", rng: random.Random) -> Task:
     section = rng.choice(list(notes.sections))
     pid = notes.sections[section]
     instruction = rng.choice((f"Append one block to the {section} page listing {owner}'s tasks that are not Done yet (from the Tasks database).",
-                              f"On the {section} page, add a line with the open tasks owned by {owner}."))
+                              f"On the {section} page, add a line with the open tasks owned by {owner}.",
+                              f"What is {owner} still working on? Write their unfinished tasks from the Tasks table into one new block on {section}."))
     n0 = len(notes.pages[pid]["blocks"])
 
     def verify():
