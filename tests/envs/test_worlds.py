@@ -148,3 +148,10 @@ def test_oracle_trajectories_format():
             assert {m["tool_call_id"] for m in msgs if m["role"] == "tool"} == ids
             assert len(json.dumps(msgs)) < 4 * 2000                      # ~2k tokens at most
             assert {t["function"]["name"] for t in item["tools"]} >= {"check_progress"}
+
+
+def test_array_limits():
+    env = make_world("mail")
+    env.reset(0)
+    out = env.step([_call("send_email", {"to": [f"a{i}@b.com" for i in range(50)], "subject": "x", "body": "y"})])
+    assert "more than 20 items" in out[0]["content"] and not env.changed()

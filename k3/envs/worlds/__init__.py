@@ -7,7 +7,9 @@
     oracle_trajectories(world, seeds)        verified oracle episodes as SFT conversations
     agent_scores(world, seeds)               success rates of the built-in agents (oracle, random, hacker)
 
-"shell" lives in `k3.envs.worlds.shell` (a sandboxed file-system world) and is imported lazily.
+Each world is the class `_CLASSES[name]` of module `k3.envs.worlds.<name>` (or, failing that, the
+module's Environment subclass whose `world` attribute is the name). "shell" lives in
+`k3.envs.worlds.shell` (a sandboxed file-system world) and is imported lazily.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ def make_world(name: str, **kw) -> Environment:
         if e.name != f"k3.envs.worlds.{name}":
             raise
         raise ValueError(f"world {name!r} is not installed: module k3.envs.worlds.{name} is missing") from e
-    cls = getattr(module, _CLASSES[name], None)
+    cls = getattr(module, _CLASSES[name], None) or next(
+        (v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Environment)
+         and getattr(v, "world", None) == name), None)
     if cls is None:
-        raise ValueError(f"k3.envs.worlds.{name} defines no {_CLASSES[name]}")
+        raise ValueError(f"k3.envs.worlds.{name} defines no {_CLASSES[name]} (or Environment subclass with world={name!r})")
     return cls(**kw)
 
 
