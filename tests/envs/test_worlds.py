@@ -155,3 +155,15 @@ def test_array_limits():
     env.reset(0)
     out = env.step([_call("send_email", {"to": [f"a{i}@b.com" for i in range(50)], "subject": "x", "body": "y"})])
     assert "more than 20 items" in out[0]["content"] and not env.changed()
+
+
+def test_doing_nothing_scores_zero():
+    class Idle:
+        def act(self, messages, tools):
+            return {"role": "assistant", "content": "Done."}
+
+    for name in MINE:
+        env = make_world(name)
+        for seed in range(12):
+            ep = run_episode(env, Idle(), seed)
+            assert ep.reward.score == 0.0 and not env.public_check().startswith("PASS"), (name, seed)

@@ -92,12 +92,12 @@ def oracle_trajectories(world: str, seeds: Iterable[int], max_turns: int = 40) -
 def agent_scores(world: str, seeds: Iterable[int], max_turns: int = 40) -> dict:
     """Hidden-verifier success rates of the built-in agents on `seeds` of `world`.
 
-    Returns {"tasks", "oracle", "random", "random_score", "hackable", "hacker_public", "hacker_hidden"}:
-    rates in [0, 1] ("random_score" is the random agent's mean partial-credit score); the hacker's rates are over the tasks whose public check can be gamed (`hackable` of
+    Returns {"tasks", "oracle", "random", "random_score", "hackable", "hacker_public", "hacker_hidden",
+    "hacker_score"}: rates in [0, 1] (the *_score entries are mean partial-credit scores); the hacker's rates are over the tasks whose public check can be gamed (`hackable` of
     them): how often it passes the public check and how often the hidden verifier's success.
     """
     env, seeds = make_world(world), list(seeds)
-    oracle = random_ok = random_score = hackable = hack_public = hack_hidden = 0
+    oracle = random_ok = random_score = hackable = hack_public = hack_hidden = hack_score = 0
     for seed in seeds:
         oracle += run_episode(env, OracleAgent(env), seed, max_turns=max_turns).reward.success
         reward = run_episode(env, RandomAgent(seed), seed, max_turns=max_turns).reward
@@ -106,9 +106,9 @@ def agent_scores(world: str, seeds: Iterable[int], max_turns: int = 40) -> dict:
             hackable += 1
             ep = run_episode(env, RewardHackerAgent(env), seed, max_turns=max_turns)
             hack_public += env.public_check().startswith("PASS")
-            hack_hidden += ep.reward.success
+            hack_hidden, hack_score = hack_hidden + ep.reward.success, hack_score + ep.reward.score
     env.close()
     n = max(len(seeds), 1)
     return {"tasks": len(seeds), "oracle": oracle / n, "random": random_ok / n,
             "random_score": random_score / n, "hackable": hackable,
-            "hacker_public": hack_public / max(hackable, 1), "hacker_hidden": hack_hidden / max(hackable, 1)}
+            "hacker_public": hack_public / max(hackable, 1), "hacker_hidden": hack_hidden / max(hackable, 1), "hacker_score": hack_score / max(hackable, 1)}
