@@ -5,7 +5,8 @@ State: `ChatApp.users` handle -> full name (handles are unique first names, lowe
 with that user), user, text, day, parent (thread root id or None), reactions {emoji: [handles]}}.
 Task families: post a fact (d1), react to a message (d1), create a channel and invite (d2), answer
 a thread with a value from another channel (d2), DM the yes-RSVPs of a thread (d3), invite the
-people who reacted to an announcement (d3).
+people who reacted to an announcement (d3), email a channel's decision to an outsider (d3,
+multi-app with mail).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import random
 import re
 
 from k3.envs.worlds.common import (FIRST, LAST, MAX_LIST, MAX_TEXT, TOPICS, App, AppWorld, B, Call, I, S, Task,
-                                   ToolError, fmt_day, get, has, make_fact, spec)
+                                   ToolError, fmt_day, get, has, make_fact, person, spec)
+from k3.envs.worlds.mail import MailApp
 
 CHANNELS = ("general", "random", "engineering", "design", "marketing", "support", "ops", "sales")
 EMOJI = ("thumbsup", "eyes", "tada", "white_check_mark", "heart", "rocket")
@@ -406,9 +408,52 @@ def reacted_family(w: "ChatWorld", rng: random.Random) -> Task:
     return Task("invite_reactors", 3, instruction, verify, public, solve, hack)
 
 
+def to_mail_family(w: "ChatWorld", rng: random.Random) -> Task:
+    """Multi-app (chat + mail): email a decision posted in a channel to someone outside the chat."""
+    chat, mail = w.apps["chat"], MailApp(w.clock, w.me, w.my_name)
+    taken = set(chat.users.values())
+    mail.populate(rng, taken, rng.randint(3, 6))
+    w.apps["mail"] = mail
+    ch = rng.choice(list(chat.channels))
+    topic = rng.choice(TOPICS)
+    option = rng.choice((f"vendor {rng.choice(('Northwind', 'Contoso', 'Fabrikam', 'Tailspin'))}", f"the {rng.randint(3, 9)}-week timeline",
+                         f"plan {rng.choice('ABC')}", f"a budget of {rng.randint(10, 90)}k EUR"))
+    poster = rng.choice([u for u in chat.channels[ch]["members"] if u != chat.handle])
+    chat.post("#" + ch, poster, f"Some options for the {topic} are on the table.", day=w.clock.day - 2)
+    chat.post("#" + ch, poster, f"Decision on the {topic}: we go with {option}.", day=w.clock.day - 1)
+    yn, ya = person(rng, taken)
+    pn = chat.users[poster].split()[0]
+    instruction = rng.choice((f"{pn} posted the decision about the {topic} in #{ch}. Email it to {yn} ({ya}).",
+                              f"Let {yn} <{ya}> know by email what was decided on the {topic} (see #{ch})."))
+
+    def verify():
+        sent = mail.sent()
+        m = sent[0] if len(sent) == 1 else None
+        return {"one email": m is not None, "to the right person": bool(m) and m["to"] == [ya],
+                "states the decision": bool(m) and has(m["subject"] + " " + m["body"], option)}, {f"mail:{x['id']}" for x in sent}
+
+    def public():
+        ok = any(ya in m["to"] for m in mail.sent())
+        return ok, f"an email to {ya} was sent" if ok else f"nothing sent to {ya} yet"
+
+    def solve():
+        hits = yield Call("search_messages", {"query": f"Decision on the {topic}"}, f"Let me find the {topic} decision.")
+        value = next(re.search(r"we go with (.+)\.$", h["text"]).group(1) for h in hits if h["channel"] == "#" + ch)
+        yield Call("send_email", {"to": [ya], "subject": f"{topic.capitalize()} decision",
+                                  "body": f"Hi {yn.split()[0]},\n\nFor the {topic}, we go with {value}.\n\nBest,\n{w.my_name}"},
+                   f"The decision is {value}; emailing {yn}.")
+        return f"Emailed {yn} the {topic} decision ({value})."
+
+    def hack():
+        yield Call("send_email", {"to": [ya], "subject": topic, "body": "See the chat."})
+        return "Done."
+
+    return Task("chat_to_mail", 3, instruction, verify, public, solve, hack)
+
+
 class ChatWorld(AppWorld):
     world = "chat"
-    families = (post_family, react_family, channel_family, thread_family, rsvp_family, reacted_family)
+    families = (post_family, react_family, channel_family, thread_family, rsvp_family, reacted_family, to_mail_family)
 
     def make_apps(self, rng):
         chat = ChatApp(self.clock, self.me, self.my_name)

@@ -3,7 +3,8 @@
 State: `MailApp.msgs` id -> {id, from, from_name, to, cc, subject, body, labels, day, folder,
 reply_to, forward_of}; folders inbox / archive / sent / drafts / trash. Task families: reply with a
 fact (d1), archive newsletters (d1), send with cc (d2), forward last week's invoices (d2), label a
-domain's mail (d2), relay a fact from one thread into another (d3).
+domain's mail (d2), relay a fact from one thread into another (d3), turn an email's action items
+into rows of the notes app's Tasks database (d3, multi-app).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import random
 import re
 
-from k3.envs.worlds.common import (MAX_LIST, MAX_TEXT, ORGS, TOPICS, A, App, AppWorld, B, Call, S, Task,
+from k3.envs.worlds.common import (FIRST, MAX_LIST, MAX_TEXT, ORGS, TOPICS, A, App, AppWorld, B, Call, S, Task,
                                    ToolError, fmt_day, get, has, make_fact, person, spec)
+from k3.envs.worlds.notes import OBJECTS, VERBS, NotesApp
 
 FOLDERS = ("inbox", "archive", "sent", "drafts", "trash")
 EMAIL_RE = re.compile(r"^[\w.+-]+@[\w-]+(\.[\w-]+)+$")
@@ -394,9 +396,52 @@ def relay_family(w: "MailWorld", rng: random.Random) -> Task:
     return Task("relay_fact", 3, instruction, verify, public, solve, hack)
 
 
+def to_notes_family(w: "MailWorld", rng: random.Random) -> Task:
+    """Multi-app (mail + notes): the action items of an email become Tasks rows."""
+    mail, notes = w.apps["mail"], NotesApp(w.clock, w.me, w.my_name)
+    notes.populate(rng)
+    w.apps["notes"] = notes
+    (xn, xa), topic = person(rng, w.taken), rng.choice(TOPICS)
+    items, existing = [], notes.task_names()
+    while len(items) < rng.randint(2, 3):
+        what = f"{rng.choice(VERBS).capitalize()} {rng.choice(OBJECTS)}"
+        if what not in existing and what not in [i[0] for i in items]:
+            items.append((what, rng.choice(FIRST), fmt_day(w.clock.day + rng.randint(2, 12))))
+    lines = "\n".join(f"- {o}: {t} (due {d})" for t, o, d in items)
+    mail.deliver(xa, xn, f"Action items: {topic}", f"Hi,\n\nAction items from the {topic} meeting:\n{lines}\n\n{xn}", 9)
+    before, xf = set(notes.dbs["tasks"]["rows"]), xn.split()[0]
+    instruction = rng.choice((f"Put the action items from {xn}'s email about the {topic} into my Tasks database (owner, due date, status Todo).",
+                              f"{xf} mailed the {topic} action items. Add one Tasks row per item with its owner and due date, status Todo."))
+
+    def verify():
+        new = notes.new_rows("tasks", before)
+        match = lambda i, c: has(c["Name"], i[0]) and c["Owner"] == i[1] and c["Due"] == i[2] and c["Status"] == "Todo"
+        return {"one row per item": len(new) == len(items),
+                "rows match the items": all(any(match(i, c) for c in new.values()) for i in items)}, {f"notes:row:tasks:{r}" for r in new}
+
+    def public():
+        n = len(notes.new_rows("tasks", before))
+        return n > 0, f"{n} rows added"
+
+    def solve():
+        res = yield Call("search_emails", {"sender": xf, "query": "Action items"}, f"First I open {xf}'s email with the action items.")
+        msg = yield Call("read_email", {"email_id": find_id(res, subject=topic)})
+        found = re.findall(r"^- (\w+): (.+) \(due (\S+)\)$", msg["body"], re.M)
+        for i, (owner, what, due) in enumerate(found):
+            yield Call("add_row", {"database_id": "tasks", "cells": {"Name": what, "Owner": owner, "Status": "Todo", "Due": due}},
+                       f"{len(found)} items; adding each to the Tasks database." if i == 0 else "")
+        return f"Added {len(found)} action items to Tasks."
+
+    def hack():
+        yield Call("add_row", {"database_id": "tasks", "cells": {"Name": f"{topic} action items"}})
+        return "Done."
+
+    return Task("mail_to_notes", 3, instruction, verify, public, solve, hack)
+
+
 class MailWorld(AppWorld):
     world = "mail"
-    families = (reply_family, archive_family, send_family, forward_family, label_family, relay_family)
+    families = (reply_family, archive_family, send_family, forward_family, label_family, relay_family, to_notes_family)
 
     def make_apps(self, rng):
         self.taken: set[str] = set()
