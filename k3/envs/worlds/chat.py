@@ -448,7 +448,8 @@ def to_mail_family(w: "ChatWorld", rng: random.Random) -> Task:
         yield Call("send_email", {"to": [ya], "subject": topic, "body": "See the chat."})
         return "Done."
 
-    return Task("chat_to_mail", 3, instruction, verify, public, solve, hack)
+    tools = frozenset(t.name for t in chat.specs()) | {"search_emails", "read_email", "send_email"}
+    return Task("chat_to_mail", 3, instruction, verify, public, solve, hack, tools=tools)
 
 
 class ChatWorld(AppWorld):

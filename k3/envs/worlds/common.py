@@ -170,6 +170,7 @@ class Task:
     solve: Script
     hack: Script | None = None
     days: int = 1
+    tools: frozenset[str] | None = None     # overrides the world's `allow` (multi-app tasks: a subset)
 
 
 Family = Callable[["AppWorld", random.Random], Task]
@@ -218,11 +219,16 @@ class AppWorld(Environment):
                 f"task asks for, call check_progress for feedback, and reply without a tool call when done.")
 
     def tool_specs(self) -> list[ToolSpec]:
-        specs = [s for app in self.apps.values() for s in app.specs() if self.allow is None or s.name in self.allow]
+        allow = self.offered()
+        specs = [s for app in self.apps.values() for s in app.specs() if allow is None or s.name in allow]
         if self.current and self.current.days > 1:
             specs.append(spec("advance_day", "End today and move to the next day; returns what arrived."))
         specs.append(spec("check_progress", "Public check of the task's progress (feedback only)."))
         return specs
+
+    def offered(self) -> frozenset[str] | None:
+        """Names of the app tools this task offers (None: all of them)."""
+        return self.current.tools if self.current and self.current.tools else self.allow
 
     def call_tool(self, name: str, args: dict) -> Any:
         if name == "check_progress":
@@ -230,7 +236,7 @@ class AppWorld(Environment):
         if name == "advance_day":
             return self.advance_day()
         for app in self.apps.values():
-            if any(s.name == name for s in app.specs()) and (self.allow is None or name in self.allow):
+            if any(s.name == name for s in app.specs()) and (self.offered() is None or name in self.offered()):
                 return app.call(name, args)
         raise ToolError(f"tool {name!r} is not available in this task")
 

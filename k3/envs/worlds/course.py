@@ -437,7 +437,8 @@ def to_chat_family(w: "CourseWorld", rng: random.Random) -> Task:
         yield Call("post_message", {"channel": group, "text": f"{a['title']} is due soon"})
         return "Done."
 
-    return Task("course_to_chat", 3, instruction, verify, public, solve, hack)
+    tools = frozenset(t.name for t in app.specs()) | {"list_channels", "read_channel", "post_message"}
+    return Task("course_to_chat", 3, instruction, verify, public, solve, hack, tools=tools)
 
 
 class CourseWorld(AppWorld):

@@ -436,7 +436,8 @@ def to_notes_family(w: "MailWorld", rng: random.Random) -> Task:
         yield Call("add_row", {"database_id": "tasks", "cells": {"Name": f"{topic} action items"}})
         return "Done."
 
-    return Task("mail_to_notes", 3, instruction, verify, public, solve, hack)
+    tools = frozenset(t.name for t in mail.specs()) | {"search_pages", "query_database", "add_row", "update_row"}
+    return Task("mail_to_notes", 3, instruction, verify, public, solve, hack, tools=tools)
 
 
 class MailWorld(AppWorld):
