@@ -167,3 +167,12 @@ def test_doing_nothing_scores_zero():
         for seed in range(12):
             ep = run_episode(env, Idle(), seed)
             assert ep.reward.score == 0.0 and not env.public_check().startswith("PASS"), (name, seed)
+
+
+def test_has_date_forms():
+    from k3.envs.worlds.common import fmt_day, has_date
+    assert fmt_day(18) == "2026-03-20"
+    for text in ("on 2026-03-20.", "on March 20", "Mar 20th", "20 March", "(20 Mar)"):
+        assert has_date(text, 18), text
+    for text in ("2026-03-21", "March 2", "March 200", "2026-03-200"):
+        assert not has_date(text, 18), text

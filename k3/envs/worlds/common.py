@@ -27,7 +27,7 @@ from k3.envs.base import Environment, Reward, TaskInfo, ToolError
 from k3.envs.schema import ToolSpec
 
 __all__ = ["Call", "ToolError", "App", "Clock", "Task", "AppWorld", "spec", "S", "I", "B", "A",
-           "fmt_day", "has", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
+           "fmt_day", "has", "has_date", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
 
 OPENERS = ("", "", "Hi! ", "Quick task: ", "Could you help me? ", "When you have a moment: ", "Hey, ")
 CLOSERS = ("", "", " Thanks!", " Thank you.", " Cheers.", " Let me know when it's done.", " Thanks a lot.")
@@ -80,6 +80,14 @@ def has(text: str, phrase: str) -> bool:
     """`phrase` occurs in `text`, ignoring case and runs of whitespace."""
     norm = lambda s: re.sub(r"\s+", " ", str(s)).strip().lower()
     return norm(phrase) in norm(text)
+
+
+def has_date(text: str, day: int) -> bool:
+    """`text` names calendar day `day`: ISO (2026-03-20), "March 20(th)", "Mar 20" or "20 March"."""
+    d = BASE_DATE + timedelta(days=day)
+    month, short = d.strftime("%B"), d.strftime("%b")
+    forms = (d.isoformat(), f"{month} {d.day}", f"{short} {d.day}", f"{d.day} {month}", f"{d.day} {short}")
+    return any(re.search(rf"(?<![\w-]){re.escape(f)}(?:st|nd|rd|th)?(?![\w-])", text, re.I) for f in forms)
 
 
 def pick(rows: list[dict], **want: Any) -> dict | None:

@@ -16,7 +16,8 @@ import random
 import re
 
 from k3.envs.worlds.chat import ChatApp
-from k3.envs.worlds.common import (MAX_TEXT, App, AppWorld, Call, S, Task, ToolError, fmt_day, get, has, spec)
+from k3.envs.worlds.common import (MAX_TEXT, App, AppWorld, Call, S, Task, ToolError, fmt_day, get, has, has_date,
+                                   spec)
 
 SUBJECTS = (("BIO", "Cell Biology"), ("HIS", "Modern History"), ("CS", "Data Structures"), ("ECO", "Microeconomics"),
             ("PHY", "Mechanics"), ("LIT", "World Literature"), ("MAT", "Linear Algebra"), ("PSY", "Cognition"))
@@ -243,7 +244,8 @@ def exam_family(w: "CourseWorld", rng: random.Random) -> Task:
     app = w.apps["course"]
     cid, c = course_of(w, rng)
     exam = rng.choice(("midterm", "final exam", "quiz", "lab practical"))
-    day = fmt_day(w.clock.day + rng.randint(5, 30))
+    exam_day = w.clock.day + rng.randint(5, 30)
+    day = fmt_day(exam_day)
     app.announce(cid, f"{exam.capitalize()} date", f"The {exam} will take place on {day} in room {rng.randint(100, 450)}.",
                  day=w.clock.day - rng.randint(1, 5))
     instruction = rng.choice((f"My study group asked when the {c['code']} {exam} is. Post the date on the course's discussion board.",
@@ -253,7 +255,7 @@ def exam_family(w: "CourseWorld", rng: random.Random) -> Task:
         posts = app.course_posts(cid)
         p = posts[0] if len(posts) == 1 else None
         return {"one post in the course": p is not None,
-                "post gives the date": bool(p) and has(p["title"] + " " + p["body"], day),
+                "post gives the date": bool(p) and has_date(p["title"] + " " + p["body"], exam_day),
                 "no posts elsewhere": len(app.posts) == len(posts)}, dk(app.posts.values())
 
     def public():
@@ -418,7 +420,7 @@ def to_chat_family(w: "CourseWorld", rng: random.Random) -> Task:
     def verify():
         posts = chat.mine("#" + group)
         p = posts[0] if len(posts) == 1 else None
-        return {"one post": p is not None, "due date": bool(p) and has(p["text"], fmt_day(a["due"])),
+        return {"one post": p is not None, "due date": bool(p) and has_date(p["text"], a["due"]),
                 "word count": bool(p) and bool(re.search(rf"\b{a['min_words']}\b", p["text"]))}, {f"chat:{x['id']}" for x in posts}
 
     def public():
