@@ -15,7 +15,7 @@ import random
 import re
 
 from k3.envs.worlds.chat import ChatApp
-from k3.envs.worlds.common import FIRST, TOPICS, AppWorld, Call, Task, fmt_day, has, person
+from k3.envs.worlds.common import FIRST, START_DAY, TOPICS, AppWorld, Call, Task, fmt_day, has, person
 from k3.envs.worlds.course import CourseApp, essay, words
 from k3.envs.worlds.mail import MailApp, find_id
 from k3.envs.worlds.notes import OBJECTS, VERBS, NotesApp
@@ -141,7 +141,7 @@ def deadline_family(w: "AssistantWorld", rng: random.Random) -> Task:
         rows = {r: c for r, c in notes.dbs["tasks"]["rows"].items() if has(c["Name"], project)}
         c = next(iter(rows.values())) if len(rows) == 1 else None
         return {"one row": c is not None, "owner and status": bool(c) and c["Owner"] == owner and c["Status"] == "Todo",
-                "latest deadline": bool(c) and c["Due"] == d2, "waited for the update": w.clock.day == 11}, {f"notes:row:tasks:{r}" for r in rows}
+                "latest deadline": bool(c) and c["Due"] == d2, "waited for the update": w.clock.day == START_DAY + 1}, {f"notes:row:tasks:{r}" for r in rows}
 
     def public():
         ok = any(has(c["Name"], project) for c in notes.dbs["tasks"]["rows"].values())
@@ -189,7 +189,7 @@ def meeting_family(w: "AssistantWorld", rng: random.Random) -> Task:
         return {"channel told the latest time": bool(posts) and has(posts[-1]["text"], t2),
                 "log has the latest time": any(has(b, t2) and has(b, topic) for b in blocks),
                 "log has no stale time": not any(has(b, t1) for b in blocks),
-                "waited for the correction": w.clock.day == 11}, {f"chat:{p['id']}" for p in posts} | {f"notes:page:{log}"}
+                "waited for the correction": w.clock.day == START_DAY + 1}, {f"chat:{p['id']}" for p in posts} | {f"notes:page:{log}"}
 
     def public():
         ok = bool(chat.mine("#" + ch))

@@ -26,12 +26,13 @@ from k3.envs.agents import Call, Script, ScriptedAgent
 from k3.envs.base import Environment, Reward, TaskInfo, ToolError
 from k3.envs.schema import ToolSpec
 
-__all__ = ["Call", "ToolError", "App", "Clock", "Task", "AppWorld", "spec", "S", "I", "B", "A",
+__all__ = ["Call", "ToolError", "App", "Clock", "START_DAY", "Task", "AppWorld", "spec", "S", "I", "B", "A",
            "fmt_day", "has", "has_date", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
 
 OPENERS = ("", "", "Hi! ", "Quick task: ", "Could you help me? ", "When you have a moment: ", "Hey, ")
 CLOSERS = ("", "", " Thanks!", " Thank you.", " Cheers.", " Let me know when it's done.", " Thanks a lot.")
 BASE_DATE = date(2026, 3, 2)      # day 0 of every world's calendar (a Monday)
+START_DAY = 10                    # every task starts on this calendar day
 MAX_TEXT = 4000                   # longest free text a tool accepts
 MAX_LIST = 10                     # list tools return at most this many rows
 
@@ -126,7 +127,7 @@ def spec(name: str, desc: str, props: dict | None = None, required: tuple[str, .
 class Clock:
     """The world's calendar: the current day and the events due at the start of later days."""
 
-    day: int = 10
+    day: int = START_DAY
     events: dict[int, list[Callable[[], None]]] = field(default_factory=dict)
 
     def at(self, day: int, event: Callable[[], None]) -> None:
@@ -190,6 +191,7 @@ class AppWorld(Environment):
     world = "apps"
     families: tuple[Family, ...] = ()
     allow: frozenset[str] | None = None     # tool names offered (None: every tool of every app)
+    my_name, me = "Sam Rivera", "sam.rivera@k3mail.com"   # the user the agent works for
 
     def __init__(self) -> None:
         super().__init__()
@@ -206,7 +208,6 @@ class AppWorld(Environment):
     def _reset(self, seed: int) -> tuple[list[dict], TaskInfo]:
         rng = random.Random(f"{self.world}:{seed}")
         self.clock = Clock()
-        self.my_name, self.me = "Sam Rivera", "sam.rivera@k3mail.com"
         self.apps = {}
         self.make_apps(rng)
         family = self.families[rng.randrange(len(self.families))]
@@ -249,7 +250,7 @@ class AppWorld(Environment):
         raise ToolError(f"tool {name!r} is not available in this task")
 
     def advance_day(self) -> dict:
-        if self.clock.day >= 10 + self.current.days - 1:
+        if self.clock.day >= START_DAY + self.current.days - 1:
             raise ToolError("this is the last day of the task; finish the work today")
         self.clock.day += 1
         pre = self.snapshot()
