@@ -147,5 +147,10 @@ class RandomAgent:
         self.budget -= 1
         fn = self.rng.choice(tools).get("function", {})
         args = random_value(fn.get("parameters") or {"type": "object"}, self.rng)
-        return {"role": "assistant", "content": "",
-                "tool_calls": [_tool_call(f"call_r{self.budget}", fn.get("name", "?"), args if isinstance(args, dict) else {})]}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                _tool_call(f"call_r{self.budget}", fn.get("name", "?"), args if isinstance(args, dict) else {})
+            ],
+        }

@@ -37,7 +37,9 @@ class Fuzzer:
         fn = self.rng.choice(tools)["function"]
         args = self._sub(random_value(fn["parameters"], self.rng))
         if fn["name"] == "add_row":
-            args["cells"] = {self.rng.choice(["Name", "Owner", "Status", "Due", "Bogus"]): self.rng.choice(POOL) for _ in range(3)}
+            args["cells"] = {
+                self.rng.choice(["Name", "Owner", "Status", "Due", "Bogus"]): self.rng.choice(POOL) for _ in range(3)
+            }
         return {"role": "assistant", "content": "", "tool_calls": [
             {"id": "f", "type": "function", "function": {"name": fn["name"], "arguments": json.dumps(args)}}]}
 

@@ -85,12 +85,19 @@ def test_bad_input_is_an_error_observation_and_loses_nothing():
     texts = [m["content"] for m in out]
     assert all(t.startswith("Error:") for t in texts)
     assert "Use search_emails" in texts[0] and "expected string" in texts[1] and "not an email address" in texts[2]
-    assert "longer than" in texts[3] and "missing required field 'to'" in texts[4] and "unexpected field 'x'" in texts[5]
+    assert (
+        "longer than" in texts[3] and "missing required field 'to'" in texts[4] and "unexpected field 'x'" in texts[5]
+    )
     assert env.snapshot() == snap and env.stats.internal == 0
     env = make_world("chat")
     env.reset(1)
-    out = env.step([_call("post_message", {"channel": "nope", "text": "hi"}), _call("invite_user", {"channel": "general", "user": "zz"}),
-                    _call("create_channel", {"name": "Bad Name!"})])
+    out = env.step(
+        [
+            _call("post_message", {"channel": "nope", "text": "hi"}),
+            _call("invite_user", {"channel": "general", "user": "zz"}),
+            _call("create_channel", {"name": "Bad Name!"}),
+        ]
+    )
     assert all(m["content"].startswith("Error:") for m in out) and "list_channels" in out[0]["content"]
 
 
@@ -138,11 +145,18 @@ def test_oracle_trajectories_format():
         assert len(data) == len(seeds)
         for item in data:
             msgs, meta = item["messages"], item["meta"]
-            assert meta["world"] == name and meta["reward"] == 1.0 and meta["seed"] in seeds and 1 <= meta["difficulty"] <= 3
+            assert (
+                meta["world"] == name
+                and meta["reward"] == 1.0
+                and meta["seed"] in seeds
+                and 1 <= meta["difficulty"] <= 3
+            )
             assert msgs[0]["role"] == "system" and msgs[1]["role"] == "user" and msgs[-1]["role"] == "assistant"
             assert "tool_calls" not in msgs[-1] and msgs[-1]["content"]
             calls = [m for m in msgs if m.get("tool_calls")]
-            assert calls and all(isinstance(json.loads(c["tool_calls"][0]["function"]["arguments"]), dict) for c in calls)
+            assert calls and all(
+                isinstance(json.loads(c["tool_calls"][0]["function"]["arguments"]), dict) for c in calls
+            )
             assert any(c.get("reasoning_content") for c in calls)
             ids = {c["tool_calls"][0]["id"] for c in calls}
             assert {m["tool_call_id"] for m in msgs if m["role"] == "tool"} == ids

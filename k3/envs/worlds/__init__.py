@@ -40,7 +40,9 @@ def make_world(name: str, **kw) -> Environment:
         (v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Environment)
          and getattr(v, "world", None) == name), None)
     if cls is None:
-        raise ValueError(f"k3.envs.worlds.{name} defines no {_CLASSES[name]} (or Environment subclass with world={name!r})")
+        raise ValueError(
+            f"k3.envs.worlds.{name} defines no {_CLASSES[name]} (or Environment subclass with world={name!r})"
+        )
     return cls(**kw)
 
 
@@ -93,8 +95,9 @@ def agent_scores(world: str, seeds: Iterable[int], max_turns: int = 40) -> dict:
     """Hidden-verifier success rates of the built-in agents on `seeds` of `world`.
 
     Returns {"tasks", "oracle", "random", "random_score", "hackable", "hacker_public", "hacker_hidden",
-    "hacker_score"}: rates in [0, 1] (the *_score entries are mean partial-credit scores); the hacker's rates are over the tasks whose public check can be gamed (`hackable` of
-    them): how often it passes the public check and how often the hidden verifier's success.
+    "hacker_score"}: rates in [0, 1] (the *_score entries are mean partial-credit scores). The
+    hacker's rates are over the tasks whose public check can be gamed (`hackable` of them): how
+    often it passes the public check, and how often the hidden verifier calls it a success.
     """
     env, seeds = make_world(world), list(seeds)
     oracle = random_ok = random_score = hackable = hack_public = hack_hidden = hack_score = 0
@@ -109,6 +112,13 @@ def agent_scores(world: str, seeds: Iterable[int], max_turns: int = 40) -> dict:
             hack_hidden, hack_score = hack_hidden + ep.reward.success, hack_score + ep.reward.score
     env.close()
     n = max(len(seeds), 1)
-    return {"tasks": len(seeds), "oracle": oracle / n, "random": random_ok / n,
-            "random_score": random_score / n, "hackable": hackable,
-            "hacker_public": hack_public / max(hackable, 1), "hacker_hidden": hack_hidden / max(hackable, 1), "hacker_score": hack_score / max(hackable, 1)}
+    return {
+        "tasks": len(seeds),
+        "oracle": oracle / n,
+        "random": random_ok / n,
+        "random_score": random_score / n,
+        "hackable": hackable,
+        "hacker_public": hack_public / max(hackable, 1),
+        "hacker_hidden": hack_hidden / max(hackable, 1),
+        "hacker_score": hack_score / max(hackable, 1),
+    }

@@ -27,7 +27,7 @@ from k3.envs.base import Environment, Reward, TaskInfo, ToolError
 from k3.envs.schema import ToolSpec
 
 __all__ = ["Call", "ToolError", "App", "Clock", "START_DAY", "Task", "AppWorld", "spec", "S", "I", "B", "A",
-           "fmt_day", "has", "has_date", "pick", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
+           "fmt_day", "has", "has_date", "make_fact", "FIRST", "LAST", "ORGS", "TOPICS", "person"]
 
 OPENERS = ("", "", "Hi! ", "Quick task: ", "Could you help me? ", "When you have a moment: ", "Hey, ")
 CLOSERS = ("", "", " Thanks!", " Thank you.", " Cheers.", " Let me know when it's done.", " Thanks a lot.")
@@ -89,14 +89,6 @@ def has_date(text: str, day: int) -> bool:
     month, short = d.strftime("%B"), d.strftime("%b")
     forms = (d.isoformat(), f"{month} {d.day}", f"{short} {d.day}", f"{d.day} {month}", f"{d.day} {short}")
     return any(re.search(rf"(?<![\w-]){re.escape(f)}(?:st|nd|rd|th)?(?![\w-])", text, re.I) for f in forms)
-
-
-def pick(rows: list[dict], **want: Any) -> dict | None:
-    """The first row whose fields equal `want` (None if none) — scripts use it to find ids."""
-    for row in rows if isinstance(rows, list) else []:
-        if isinstance(row, dict) and all(row.get(k) == v for k, v in want.items()):
-            return row
-    return None
 
 
 # ---------------------------------------------------------------------------------- schemas
