@@ -190,3 +190,39 @@ def test_has_date_forms():
         assert has_date(text, 18), text
     for text in ("2026-03-21", "March 2", "March 200", "2026-03-200"):
         assert not has_date(text, 18), text
+
+
+def _first(name, kind):
+    env = make_world(name)
+    for seed in range(200):
+        env.reset(seed)
+        if env.task.kind == kind:
+            return env
+    raise AssertionError(kind)
+
+
+def test_domain_errors_help_recovery():
+    env = _first("course", "extensions")
+    app = env.apps["course"]
+    past = next(a for a in app.grades)
+    out = env.step([_call("submit_assignment", {"assignment_id": past, "text": "late"}),
+                    _call("submit_assignment", {"assignment_id": "a999", "text": "x"}),
+                    _call("list_assignments", {"course_id": "zzz"})])
+    assert "submissions are closed" in out[0]["content"] and "list_assignments" in out[1]["content"]
+    assert "list_courses" in out[2]["content"] and not env.changed()
+    env = _first("notes", "move_tagged")
+    root = next(iter(env.apps["notes"].sections.values()))
+    child = next(p for p, v in env.apps["notes"].pages.items() if v["parent"] == root)
+    row = next(iter(env.apps["notes"].dbs["tasks"]["rows"]))
+    out = env.step([_call("move_page", {"page_id": root, "parent_id": child}),
+                    _call("update_row", {"database_id": "tasks", "row_id": row, "column": "Status", "value": "Finished"}),
+                    _call("add_row", {"database_id": "tasks", "cells": {"Owner": "Ann"}})])
+    assert "under itself" in out[0]["content"] and "Status must be one of" in out[1]["content"]
+    assert "must include 'Name'" in out[2]["content"] and not env.changed()
+    env = _first("chat", "rsvp_dm")
+    chat = env.apps["chat"]
+    reply = next(m for m in chat.msgs.values() if m["parent"])
+    ch = reply["channel"].lstrip("#")
+    out = env.step([_call("reply_in_thread", {"channel": ch, "message_id": reply["id"], "text": "hi"}),
+                    _call("add_reaction", {"channel": ch, "message_id": reply["id"], "emoji": "::"})])
+    assert "thread root" in out[0]["content"] and "invalid emoji" in out[1]["content"] and not env.changed()

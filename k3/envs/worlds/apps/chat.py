@@ -171,7 +171,10 @@ class ChatApp(App):
 
     def t_add_reaction(self, channel, message_id, emoji):
         m = self._message(channel, message_id)
-        who = m["reactions"].setdefault(emoji.strip(":"), [])
+        emoji = emoji.strip(":")
+        if not re.fullmatch(r"[a-z0-9_+-]{1,40}", emoji):
+            raise ToolError(f"invalid emoji name {emoji!r}: use a name like thumbsup or white_check_mark")
+        who = m["reactions"].setdefault(emoji, [])
         if self.handle not in who:
             who.append(self.handle)
         return {"message_id": message_id, "reactions": m["reactions"]}

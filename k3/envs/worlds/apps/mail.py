@@ -104,7 +104,8 @@ class MailApp(App):
 
     def t_read_email(self, email_id):
         m = self._msg(email_id)
-        return {k: (fmt_day(v) if k == "day" else v) for k, v in m.items() if v not in (None, [])}
+        out = {k: v for k, v in m.items() if v not in (None, []) and k != "day"}
+        return {**out, "date": fmt_day(m["day"])}
 
     def _addresses(self, addrs: list[str], field: str) -> list[str]:
         bad = [a for a in addrs if not EMAIL_RE.match(a)]
