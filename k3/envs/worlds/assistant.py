@@ -222,7 +222,8 @@ def meeting_family(w: "AssistantWorld", rng: random.Random) -> Task:
     xn, xa = person(rng, w.taken)
     xf = xn.split()[0]
     ch = rng.choice(list(chat.channels))
-    topic, weekday = rng.choice(TOPICS), rng.choice(("Monday", "Tuesday", "Wednesday", "Thursday", "Friday"))
+    topic = rng.choice([t for t in TOPICS if "meeting" not in t])
+    weekday = rng.choice(("Monday", "Tuesday", "Wednesday", "Thursday", "Friday"))
     t1, t2 = rng.sample([f"{h}:{m}" for h in range(9, 17) for m in ("00", "30")], 2)
     log = notes.page("Meeting log", None, ("meeting",), ["Upcoming meetings:"])
     mail.deliver(
@@ -244,7 +245,7 @@ def meeting_family(w: "AssistantWorld", rng: random.Random) -> Task:
     instruction = rng.choice(
         (
             f"Handle {xn}'s email requests today and tomorrow; the final state must reflect the latest information.",
-            f"You run my errands for two days: do what {xf} asks by mail, and keep everything up to date.",
+            f"You run my errands for two days: do what {xn} asks by mail, and keep everything up to date.",
         )
     )
     n0 = len(notes.pages[log]["blocks"])
@@ -264,8 +265,8 @@ def meeting_family(w: "AssistantWorld", rng: random.Random) -> Task:
         return ok, f"you posted in #{ch}" if ok else f"nothing posted in #{ch} yet"
 
     def solve():
-        res = yield Call("search_emails", {"sender": xf}, f"Let me see what {xf} asked for.")
-        msg = yield Call("read_email", {"email_id": find_id(res, subject="meeting")})
+        res = yield Call("search_emails", {"sender": xn}, f"Let me see what {xf} asked for.")
+        msg = yield Call("read_email", {"email_id": find_id(res, subject=f"{topic} meeting")})
         when = re.search(r"is on (\w+ at \S+)\.", msg["body"]).group(1)
         yield Call(
             "post_message",
@@ -273,7 +274,7 @@ def meeting_family(w: "AssistantWorld", rng: random.Random) -> Task:
             f"Announcing the meeting ({when}) in #{ch}.",
         )
         yield Call("advance_day", {}, "Done for today; next day.")
-        res = yield Call("search_emails", {"sender": xf, "query": "Correction"}, f"Any news from {xf}?")
+        res = yield Call("search_emails", {"sender": xn, "query": "Correction"}, f"Any news from {xf}?")
         msg = yield Call("read_email", {"email_id": find_id(res, subject="Correction")})
         new = re.search(r"is at (\S+) instead", msg["body"]).group(1)
         yield Call(

@@ -213,7 +213,7 @@ def rsvp_family(w: "ChatWorld", rng: random.Random) -> Task:
 
     def solve():
         rows = yield Call("read_channel", {"channel": ch}, f"First I find {hn}'s {event} message.")
-        mid = next(r["id"] for r in rows if r["user"] == host and has(r["text"], event))
+        mid = next(r["id"] for r in rows if r["user"] == host and has(r["text"], f"coming to the {event}"))
         thread = yield Call("read_thread", {"channel": ch, "message_id": mid}, "Now the replies in its thread.")
         going = [r["user"] for r in thread["replies"] if r["text"] in YES]
         names = [chat.users[u].split()[0] for u in going]
