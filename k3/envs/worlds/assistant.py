@@ -365,7 +365,8 @@ def update_family(w: "AssistantWorld", rng: random.Random) -> Task:
         (
             f"Over the next 3 days make sure \"{a['title']}\" ({cid.upper()}) is submitted by its due date and meets "
             f"the latest requirements; my professor sometimes emails updates.",
-            f"Get \"{a['title']}\" for {cid.upper()} done before it is due, following any update from the professor.",
+            f"Get \"{a['title']}\" for {cid.upper()} done before it is due, following any update the professor "
+            "emails in the meantime (updates can come on any day until then).",
         )
     )
 

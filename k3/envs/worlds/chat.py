@@ -203,7 +203,7 @@ def rsvp_family(w: "ChatWorld", rng: random.Random) -> Task:
     def verify():
         dms = chat.mine("@" + host)
         d = dms[0] if len(dms) == 1 else None
-        named = lambda u: bool(d) and (has(d["text"], chat.users[u].split()[0]) or has(d["text"], u))
+        named = lambda u: bool(d) and bool(re.search(rf"\b{u}\b", d["text"], re.I))   # handle = first name
         return {"one DM to the host": d is not None, "lists every yes": all(named(u) for u in yes),
                 "lists no one else": not any(named(u) for u in crowd if u not in yes)}, keys(dms)
 
