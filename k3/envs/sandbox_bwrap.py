@@ -126,7 +126,7 @@ class BwrapBox:
         argv = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", *_root_args(),
                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
                 "--bind", str(self.workspace), "/workspace", "--chdir", "/workspace",
-                "--hostname", "sandbox", "--info-fd", str(w), "--", "sleep", "infinity"]
+                "--hostname", "sandbox", "--remount-ro", "/", "--info-fd", str(w), "--", "sleep", "infinity"]
         join = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--"]
         try:
             proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

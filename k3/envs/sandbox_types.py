@@ -75,11 +75,10 @@ class RawResult:
 
 def command_argv(cmd: str | list[str]) -> list[str]:
     """A shell string runs via ``/bin/sh -c``; a list is the argv itself."""
-    if isinstance(cmd, str):
-        return ["/bin/sh", "-c", cmd]
-    if not cmd or not all(isinstance(a, str) for a in cmd):
-        raise SandboxError(f"command must be a string or a non-empty list of strings, got {cmd!r}")
-    return list(cmd)
+    argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
+    if not argv or not isinstance(argv, list) or not all(isinstance(a, str) and "\0" not in a for a in argv):
+        raise SandboxError(f"command must be a string or a non-empty list of strings without NUL, got {cmd!r:.200}")
+    return list(argv)
 
 
 def truncate(data: bytes, total: int, max_output: int) -> tuple[bytes, bool]:
