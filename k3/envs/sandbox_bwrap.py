@@ -9,7 +9,7 @@ binds of /usr and /etc (+ the /bin, /lib, ... symlinks or binds as on the host),
 
 Each ``exec`` enters those namespaces with ``nsenter --all --root --wd`` after joining the
 sandbox's cgroup (the wrapper shell writes its PID into every ``cgroup.procs`` before exec'ing
-nsenter), drops every capability (``setpriv``), clears the environment and applies RLIMIT_CPU
+nsenter), drops every capability (``setpriv``), gets a fixed environment (SANDBOX_ENV) and applies RLIMIT_CPU
 (``prlimit``). Processes started in the background by one exec keep running in the sandbox until
 ``close``. The cgroup gives the memory / pids limits, ``pause`` (freeze) and teardown (kill all).
 
@@ -32,7 +32,7 @@ from typing import Callable
 
 from k3.envs.sandbox_cgroup import Cgroup
 from k3.envs.sandbox_types import (
-    KILLED_RC, SANDBOX_PATH, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
+    KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
 )
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class BwrapBox:
         join = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--"]
         try:
             proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, pass_fds=(w,), env={"PATH": SANDBOX_PATH})
+                                    stderr=subprocess.PIPE, pass_fds=(w,), env=SANDBOX_ENV)
         finally:
             os.close(w)
         with os.fdopen(r) as f:
@@ -152,10 +152,9 @@ class BwrapBox:
         argv = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--",
                 "nsenter", "-t", str(self.init_pid), "--all", "-r", "-w",
                 "setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs",
-                "prlimit", f"--cpu={self.limits.cpu_s}",
-                "env", "-i", f"PATH={SANDBOX_PATH}", "HOME=/workspace", "LANG=C.UTF-8", *command_argv(cmd)]
+                "prlimit", f"--cpu={self.limits.cpu_s}", *command_argv(cmd)]
         oom_before = self.cgroup.oom_kills()
-        res = run_process(argv, stdin, timeout, max_output, lambda p: kill_group(p.pid), env={"PATH": SANDBOX_PATH})
+        res = run_process(argv, stdin, timeout, max_output, lambda p: kill_group(p.pid), env=SANDBOX_ENV)
         if res.rc == KILLED_RC and self.cgroup.oom_kills() > oom_before:
             res.stderr += b"\n[sandbox: killed by the memory limit]\n"
         return res

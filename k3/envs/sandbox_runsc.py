@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from k3.envs.sandbox_types import (
-    KILLED_RC, SANDBOX_PATH, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
+    KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
 )
 
 RUNSC = "runsc"
@@ -110,7 +110,7 @@ def _process(args: list[str], limits: Limits, uid: int = 0, caps: list[str] | No
     """OCI process object (used for the init and for every exec)."""
     capabilities = {k: list(caps or []) for k in _NO_CAPS}
     return {"terminal": False, "user": {"uid": uid, "gid": uid}, "args": args, "cwd": "/workspace",
-            "env": [f"PATH={SANDBOX_PATH}", "HOME=/workspace", "LANG=C.UTF-8"],
+            "env": [f"{k}={v}" for k, v in SANDBOX_ENV.items()],
             "rlimits": _rlimits(limits), "capabilities": capabilities}
 
 
@@ -251,7 +251,8 @@ class RunscBox:
         """Save the container's memory state into directory ``image`` and call ``while_stopped``
         (the workspace copy) while nothing runs. ``checkpoint`` stops the container and this runsc's
         ``--leave-running`` hangs, so the container is restored from the image under the same id."""
-        image.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(image, ignore_errors=True)  # runsc refuses to overwrite an image
+        image.mkdir(parents=True)
         self._ctl("checkpoint", f"--image-path={image}", self.id)
         try:
             while_stopped()

@@ -23,6 +23,8 @@ KILLED_RC = 137
 # processes that inherited stdout would otherwise keep the pipe open forever.
 _EXIT_GRACE_S = 0.2
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The whole environment of a sandboxed command (nothing leaks in from the host's environment).
+SANDBOX_ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
 
 
 class SandboxError(RuntimeError):
