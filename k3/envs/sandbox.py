@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import weakref
@@ -68,7 +69,7 @@ def _cleanup(box, workspace: Path | None) -> None:
 
 
 def _new_workspace(template: Path | None = None) -> Path:
-    ws = Path(tempfile.mkdtemp(prefix="k3-ws-"))
+    ws = Path(tempfile.mkdtemp(prefix=f"k3-ws-{os.getpid()}-"))
     if template is not None:
         shutil.copytree(template, ws, symlinks=True, dirs_exist_ok=True)
     return ws
@@ -206,7 +207,7 @@ class Sandbox:
             ws = _new_workspace()
             self._box.checkpoint(None, lambda: shutil.copytree(self.workspace, ws, symlinks=True, dirs_exist_ok=True))
             return Sandbox._start("bwrap", ws, True, self.limits)
-        tmp = Path(tempfile.mkdtemp(prefix="k3-fork-"))
+        tmp = Path(tempfile.mkdtemp(prefix=f"k3-fork-{os.getpid()}-"))
         try:
             return Sandbox.restore(self.checkpoint(tmp))
         finally:

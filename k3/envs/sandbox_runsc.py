@@ -143,7 +143,7 @@ class RunscBox:
         self.id = f"k3-{os.getpid()}-{next(_ids)}"
         self.bundle = self.state / "bundles" / self.id
         self.bundle.mkdir(parents=True)
-        self.dead = False
+        self.dead = self.paused = False
         self.reaper: subprocess.Popen | None = None
         self._execs = itertools.count()
         spec = _spec(workspace, self.state / "rootfs", limits, f"k3-sbx-{self.id}")
@@ -243,9 +243,11 @@ class RunscBox:
 
     def pause(self) -> None:
         self._ctl("pause", self.id)
+        self.paused = True
 
     def resume(self) -> None:
         self._ctl("resume", self.id)
+        self.paused = False
 
     def checkpoint(self, image: Path, while_stopped: Callable[[], None]) -> None:
         """Save the container's memory state into directory ``image`` and call ``while_stopped``
@@ -253,6 +255,9 @@ class RunscBox:
         ``--leave-running`` hangs, so the container is restored from the image under the same id."""
         shutil.rmtree(image, ignore_errors=True)  # runsc refuses to overwrite an image
         image.mkdir(parents=True)
+        was_paused = self.paused
+        if was_paused:  # a checkpointed paused container can not be deleted by this runsc
+            self.resume()
         self._ctl("checkpoint", f"--image-path={image}", self.id)
         try:
             while_stopped()
@@ -260,6 +265,8 @@ class RunscBox:
             self._ctl("delete", "--force", self.id)
             self._wait_reaper()
             self._start(image)
+            if was_paused:
+                self.pause()
 
     def _wait_reaper(self) -> None:
         """After ``runsc delete``: the reaper exits once the Sentry and gofer are reaped."""
