@@ -53,7 +53,7 @@ def bench_backend(backend: str, n: int, idle: int) -> dict[str, float]:
     try:
         with Sandbox.create(backend=backend) as sb:
             sb.write_file("data.bin", b"x" * (1 << 20))
-            sb.exec("while :; do sleep 1; done >/dev/null 2>&1 &")  # a live process to freeze / save
+            sb.exec("while :; do sleep 0.01; done >/dev/null 2>&1 &")  # live processes to freeze / save
             row["exec"] = _ms(lambda: sb.exec(["true"]), n)
             row["pause"], row["resume"] = _pause_resume_ms(sb, n)
             row["checkpoint"] = _ms(lambda: sb.checkpoint(tmp / "ck"), n)
@@ -75,12 +75,16 @@ def bench_backend(backend: str, n: int, idle: int) -> dict[str, float]:
     return row
 
 
+def _fmt(v: float) -> str:
+    return f"{v:.2f}" if v < 1 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
 def table(rows: dict[str, dict[str, float]]) -> str:
     cols = ["create", "exec", "pause", "resume", "checkpoint", "restore", "fork", "close", "MiB/sandbox", "per GiB"]
     head = "| backend | " + " | ".join(c if c in ("MiB/sandbox", "per GiB") else f"{c} ms" for c in cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 1)]
     for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[c]:.1f}" if row[c] < 100 else f"{row[c]:.0f}" for c in cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(_fmt(row[c]) for c in cols) + " |")
     return "\n".join(lines)
 
 

@@ -158,9 +158,11 @@ def _wait_rc(proc: subprocess.Popen) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def kill_group(pgid: int) -> None:
-    """SIGKILL a host process group, ignoring a group that is already gone."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def kill_group(pgid: int, tries: int = 5) -> None:
+    """SIGKILL a host process group until it is gone (a group that is already gone is fine)."""
+    for _ in range(tries):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.01)

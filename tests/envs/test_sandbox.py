@@ -229,7 +229,7 @@ def test_fork_bomb_contained(backend):
         assert r.timed_out and r.rc == TIMEOUT_RC
         # the bomb is gone and the sandbox is usable again (zombies are reaped by the init)
         assert _wait_for(lambda: s.exec("echo ok").stdout == "ok\n", timeout=10, step=0.2)
-        assert _count_procs(s) <= 3  # init (+ bwrap's PID 1) and the probe itself
+        assert _wait_for(lambda: _count_procs(s) <= 3, timeout=10, step=0.2)  # init (+ bwrap's PID 1), the probe
 
 
 def _leftovers() -> dict[str, set]:
