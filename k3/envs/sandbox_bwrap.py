@@ -7,11 +7,13 @@ binds of /usr and /etc (+ the /bin, /lib, ... symlinks or binds as on the host),
 /dev, private tmpfs /tmp, the workspace bound read-write at /workspace, no network (only a down
 ``lo``).
 
-Each ``exec`` enters those namespaces with ``nsenter --all --root --wd`` after joining the
-sandbox's cgroup (the wrapper shell writes its PID into every ``cgroup.procs`` before exec'ing
-nsenter), drops every capability (``setpriv``), gets a fixed environment (SANDBOX_ENV) and applies RLIMIT_CPU
-(``prlimit``). Processes started in the background by one exec keep running in the sandbox until
-``close``. The cgroup gives the memory / pids limits, ``pause`` (freeze) and teardown (kill all).
+Each ``exec`` enters those namespaces with ``nsenter --all --root --wd`` (target: the ``sleep
+infinity``, whose root is the sandbox root and cwd /workspace) after the wrapper shell joined the
+sandbox's cgroup (writes its PID into every ``cgroup.procs`` before exec'ing nsenter) and set
+RLIMIT_CPU (``ulimit -t``); ``setpriv`` drops every capability and sets no_new_privs; the
+environment is exactly SANDBOX_ENV. Processes started in the background by one exec keep running
+in the sandbox until ``close``. The cgroup gives the memory / pids limits, ``pause`` (freeze) and
+teardown (kill all).
 
 Checkpoint / restore / fork copy the workspace files only: process memory, /tmp and running
 processes are not saved (CRIU does not work on 6.13+ kernels with Debian's 3.17).
@@ -38,8 +40,8 @@ from k3.envs.sandbox_types import (
 log = logging.getLogger(__name__)
 BWRAP = "bwrap"
 _SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# Joins every cgroup.procs given before "--", then execs the rest of the argv.
-_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+# argv: CPU-seconds limit, the cgroup.procs files to join, "--", the command to exec.
+_JOIN = 'ulimit -t "$1"; shift; while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 def _root_args() -> list[str]:
@@ -127,7 +129,7 @@ class BwrapBox:
                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
                 "--bind", str(self.workspace), "/workspace", "--chdir", "/workspace",
                 "--hostname", "sandbox", "--remount-ro", "/", "--info-fd", str(w), "--", "sleep", "infinity"]
-        join = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--"]
+        join = ["/bin/sh", "-c", _JOIN, "sh", "unlimited", *self.cgroup.procs_files(), "--"]
         try:
             proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, pass_fds=(w,), env=SANDBOX_ENV)
@@ -149,10 +151,9 @@ class BwrapBox:
             raise SandboxError("bwrap sandbox is not running")
         if self.paused:
             raise SandboxError("sandbox is paused; resume() it before exec")
-        argv = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroup.procs_files(), "--",
+        argv = ["/bin/sh", "-c", _JOIN, "sh", str(self.limits.cpu_s), *self.cgroup.procs_files(), "--",
                 "nsenter", "-t", str(self.init_pid), "--all", "-r", "-w",
-                "setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs",
-                "prlimit", f"--cpu={self.limits.cpu_s}", *command_argv(cmd)]
+                "setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", *command_argv(cmd)]
         oom_before = self.cgroup.oom_kills()
         res = run_process(argv, stdin, timeout, max_output, lambda p: kill_group(p.pid), env=SANDBOX_ENV)
         if res.rc == KILLED_RC and self.cgroup.oom_kills() > oom_before:

@@ -37,7 +37,8 @@ class Limits:
 
     mem_mb: memory of the whole sandbox (cgroup limit), MiB.
     pids: processes (bwrap: cgroup ``pids.max`` of the sandbox; runsc: ``RLIMIT_NPROC`` inside gVisor).
-    cpu_s: CPU seconds per command (``RLIMIT_CPU``).
+    cpu_s: CPU seconds per command (``RLIMIT_CPU``; enforced by bwrap; the gVisor 2022-12 Sentry
+        ignores it, so runsc commands are bounded by the wall timeout only).
     wall_s: default wall-clock timeout of one ``exec``, seconds.
     """
 

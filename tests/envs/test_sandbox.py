@@ -65,7 +65,8 @@ def _start_counter(s: Sandbox, path: str) -> None:
 
 def test_exec_and_files(sb):
     r = sb.exec("echo out; echo err >&2; pwd; echo $HOME; exit 3")
-    assert (r.rc, r.stdout, r.stderr, r.timed_out, r.truncated) == (3, "out\n/workspace\n/workspace\n", "err\n", False, False)
+    want = (3, "out\n/workspace\n/workspace\n", "err\n", False, False)
+    assert (r.rc, r.stdout, r.stderr, r.timed_out, r.truncated) == want
     assert sb.exec("env").stdout.count("=") <= 5  # nothing from the host's environment
     assert sb.exec(["printf", "%s|", "a b", "c"]).stdout == "a b|c|"
     assert sb.exec("tr a-z A-Z", stdin="hello").stdout == "HELLO"
@@ -230,6 +231,12 @@ def test_fork_bomb_contained(backend):
         # the bomb is gone and the sandbox is usable again (zombies are reaped by the init)
         assert _wait_for(lambda: s.exec("echo ok").stdout == "ok\n", timeout=10, step=0.2)
         assert _wait_for(lambda: _count_procs(s) <= 3, timeout=10, step=0.2)  # init (+ bwrap's PID 1), the probe
+
+
+def test_bwrap_cpu_limit():
+    with Sandbox.create(backend="bwrap", limits=Limits(cpu_s=1)) as s:
+        r = s.exec("while :; do :; done", timeout=15)
+        assert not r.timed_out and r.rc in (128 + 9, 128 + 24), r  # SIGKILL / SIGXCPU at RLIMIT_CPU
 
 
 def _leftovers() -> dict[str, set]:
