@@ -139,6 +139,10 @@ def run_process(argv: list[str], stdin: bytes | None, timeout: float, max_output
                 totals[key.fd] += len(chunk)
                 if len(bufs[key.fd]) <= max_output:
                     bufs[key.fd] += chunk
+    except BaseException:  # e.g. KeyboardInterrupt: never leave the command running
+        if not timed_out:
+            on_timeout(proc)
+        raise
     finally:
         sel.close()
         proc.stdout.close()
