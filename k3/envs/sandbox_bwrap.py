@@ -2,13 +2,13 @@
 
 Layout: one long-lived ``bwrap --unshare-all --die-with-parent --new-session`` per sandbox whose
 namespaces (mount, pid, net, ipc, uts, cgroup, user where available) hold the sandbox; bwrap is
-PID 1 inside and reaps orphans, its child ``sleep infinity`` keeps it alive. Root filesystem: read-only
+started with ``--as-pid-1`` so that INIT (a reaper loop) is PID 1 inside. Root filesystem: read-only
 binds of /usr and /etc (+ the /bin, /lib, ... symlinks or binds as on the host), fresh /proc and
 /dev, private tmpfs /tmp, the workspace bound read-write at /workspace, no network (only a down
 ``lo``).
 
-Each ``exec`` enters those namespaces with ``nsenter --all --root --wd`` (target: the ``sleep
-infinity``, whose root is the sandbox root and cwd /workspace) after the wrapper shell joined the
+Each ``exec`` enters those namespaces with ``nsenter --all --root --wd`` (target: INIT,
+whose root is the sandbox root and cwd /workspace) after the wrapper shell joined the
 sandbox's cgroup (writes its PID into every ``cgroup.procs`` before exec'ing nsenter) and set
 RLIMIT_CPU (``ulimit -t``); ``setpriv`` drops every capability and sets no_new_privs; the
 environment is exactly SANDBOX_ENV. Processes started in the background by one exec keep running
@@ -34,7 +34,7 @@ from typing import Callable
 
 from k3.envs.sandbox_cgroup import Cgroup
 from k3.envs.sandbox_types import (
-    KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
+    INIT, KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
 )
 
 log = logging.getLogger(__name__)
@@ -55,16 +55,20 @@ def _root_args() -> list[str]:
     return args
 
 
-def _init_child(pid1: int, timeout: float = 5.0) -> int:
-    """Host pid of ``sleep infinity``, the child of the sandbox's PID 1 (bwrap): its root and working
-    directory (/workspace) are what ``nsenter -r -w`` gives each command."""
+def _wait_exec(pid: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """bwrap reports the child's pid before it has pivoted and exec'd INIT; wait for the exec, or
+    ``nsenter -r -w`` would see the old root and working directory."""
+    want = INIT[0].encode()
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        kids = Path(f"/proc/{pid1}/task/{pid1}/children").read_text().split()
-        if kids:
-            return int(kids[0])
-        time.sleep(0.001)
-    raise SandboxError("bwrap started but its init process did not appear")
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0", 1)[0] == want:
+                    return
+        except FileNotFoundError:
+            break
+        time.sleep(0.0005)
+    raise SandboxError(f"bwrap did not start its init (exit status {proc.poll()})")
 
 
 class _Spawner:
@@ -128,7 +132,7 @@ class BwrapBox:
         argv = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", *_root_args(),
                 "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
                 "--bind", str(self.workspace), "/workspace", "--chdir", "/workspace",
-                "--hostname", "sandbox", "--remount-ro", "/", "--info-fd", str(w), "--", "sleep", "infinity"]
+                "--hostname", "sandbox", "--remount-ro", "/", "--as-pid-1", "--info-fd", str(w), "--", *INIT]
         join = ["/bin/sh", "-c", _JOIN, "sh", "unlimited", *self.cgroup.procs_files(), "--"]
         try:
             proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -141,7 +145,14 @@ class BwrapBox:
             err = proc.stderr.read().decode(errors="replace") if proc.wait(5) is not None else ""
             raise SandboxError(f"bwrap failed to start: {err.strip()}")
         proc.stderr.close()
-        return proc, _init_child(int(json.loads(info)["child-pid"]))
+        pid = int(json.loads(info)["child-pid"])
+        try:
+            _wait_exec(pid, proc)
+        except SandboxError:
+            proc.kill()
+            proc.wait()
+            raise
+        return proc, pid
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

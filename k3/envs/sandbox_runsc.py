@@ -33,12 +33,11 @@ from pathlib import Path
 from typing import Callable
 
 from k3.envs.sandbox_types import (
-    KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
+    INIT, KILLED_RC, SANDBOX_ENV, Limits, RawResult, SandboxError, command_argv, kill_group, run_process,
 )
 
 RUNSC = "runsc"
 _SYSTEM_DIRS = ("usr", "etc", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
-_INIT = ["/usr/bin/perl", "-e", "while (1) { sleep 1 if wait() == -1 }"]
 # Runs `runsc run/restore --detach` (argv[2:]) as a child subreaper: the detached Sentry and gofer
 # re-parent to it instead of the host's PID 1, so they are reaped at once when killed (`runsc
 # delete` waits until the Sentry's pid is gone; a slow host init made that take seconds). It
@@ -123,7 +122,10 @@ def _spec(workspace: Path, rootfs: Path, limits: Limits, cgroup: str) -> dict:
         host = Path("/") / name
         if host.is_dir() and not host.is_symlink():
             mounts.append({"destination": str(host), "type": "bind", "source": str(host), "options": ["rbind", "ro"]})
-    return {"ociVersion": "1.0.0", "process": _process(_INIT, limits), "hostname": "sandbox",
+    # The init runs as nobody with cwd /: this gVisor lets PID 1 be killed from inside, and root
+    # commands without CAP_KILL can not signal another uid's process.
+    init = {**_process(INIT, limits, uid=65534), "cwd": "/"}
+    return {"ociVersion": "1.0.0", "process": init, "hostname": "sandbox",
             "root": {"path": str(rootfs), "readonly": True}, "mounts": mounts,
             "linux": {"namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
                       "resources": {"memory": {"limit": limits.mem_mb << 20}}, "cgroupsPath": cgroup}}

@@ -27,6 +27,11 @@ SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_ENV = {"PATH": SANDBOX_PATH, "HOME": "/workspace", "LANG": "C.UTF-8"}
 
 
+# PID 1 of every sandbox (perl is Essential in Debian): reaps orphans (zombies would pile up), and as an init without signal
+# handlers it ignores kill -9 from inside, so `kill -9 -1` or `pkill perl` can not end the sandbox.
+INIT = ["/usr/bin/perl", "-e", "while (1) { sleep 1 if wait() == -1 }"]
+
+
 class SandboxError(RuntimeError):
     """A sandbox operation failed (backend missing, sandbox dead or closed, bad argument)."""
 

@@ -93,6 +93,11 @@ def test_hung_command_times_out(sb):
     assert _count_procs(sb, "sleep 123") == 0  # the killed command left nothing running
 
 
+def test_commands_can_not_kill_the_sandbox(sb):
+    sb.exec("kill -9 1; pkill -9 perl; kill -9 -1")
+    assert sb.alive() and sb.exec("echo alive").stdout == "alive\n"
+
+
 def test_huge_output_truncated(sb):
     r = sb.exec("head -c 5000000 /dev/zero | tr '\\0' x; echo tail", max_output=1000)
     assert r.truncated and r.rc == 0 and not r.timed_out
