@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -134,17 +135,19 @@ class BwrapBox:
                 "--bind", str(self.workspace), "/workspace", "--chdir", "/workspace",
                 "--hostname", "sandbox", "--remount-ro", "/", "--as-pid-1", "--info-fd", str(w), "--", *INIT]
         join = ["/bin/sh", "-c", _JOIN, "sh", "unlimited", *self.cgroup.procs_files(), "--"]
-        try:
-            proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, pass_fds=(w,), env=SANDBOX_ENV)
-        finally:
-            os.close(w)
-        with os.fdopen(r) as f:
-            info = f.read()  # bwrap closes the info fd once the namespaces are set up
-        if not info:
-            err = proc.stderr.read().decode(errors="replace") if proc.wait(5) is not None else ""
-            raise SandboxError(f"bwrap failed to start: {err.strip()}")
-        proc.stderr.close()
+        # stderr: a file, not a pipe (bwrap outlives this call; a closed pipe would SIGPIPE it)
+        with tempfile.TemporaryFile() as errf:
+            try:
+                proc = subprocess.Popen(join + argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=errf, pass_fds=(w,), env=SANDBOX_ENV)
+            finally:
+                os.close(w)
+            with os.fdopen(r) as f:
+                info = f.read()  # bwrap closes the info fd once the namespaces are set up
+            if not info:
+                proc.wait()
+                errf.seek(0)
+                raise SandboxError(f"bwrap failed to start: {errf.read().decode(errors='replace').strip()}")
         pid = int(json.loads(info)["child-pid"])
         try:
             _wait_exec(pid, proc)
