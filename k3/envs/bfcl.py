@@ -127,7 +127,9 @@ def decode_calls(message: dict, functions: list[dict]) -> tuple[list[tuple[str, 
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             return [], "tool call without a function name"
         args = fn.get("arguments")
-        if isinstance(args, str):
+        if args is None:
+            args = {}
+        elif isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
