@@ -42,10 +42,10 @@ class Sandbox:
     def create(cls, backend="auto", workspace=None, limits=None):
         return cls()
 
-    def exec(self, cmd, timeout=30):
+    def exec(self, cmd, timeout=30, stdin=None):
         try:
             p = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=self.dir, capture_output=True, text=True,
-                               timeout=timeout)
+                               timeout=timeout, input=stdin)
             return ExecResult(p.returncode, p.stdout, p.stderr, False, False)
         except subprocess.TimeoutExpired:
             return ExecResult(124, "", "", True, False)

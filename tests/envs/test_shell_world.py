@@ -45,7 +45,7 @@ class Lazy:
 
 @pytest.fixture(scope="module")
 def world():
-    env = ShellWorld()
+    env = ShellWorld(backend="bwrap")
     yield env
     env.close()
 
@@ -111,7 +111,7 @@ class CountingWorld(ShellWorld):
 
 
 def test_paused_between_steps_and_closed():
-    env = CountingWorld()
+    env = CountingWorld(backend="bwrap")
     ep = run_episode(env, Lazy(env.oracle), SEEDS["rename_pattern"][0], max_turns=10)
     assert ep.reward.score == 1.0 and env.counts == {"pause": ep.turns, "resume": ep.turns}
     env.close()

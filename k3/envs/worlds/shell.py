@@ -51,6 +51,14 @@ TOOLS = [
 ]
 
 
+# writes {path: text} read as JSON from stdin, relative to the working directory (the workspace)
+_WRITER = ("import json, os, sys\n"
+           "for p, t in json.load(sys.stdin).items():\n"
+           "    d = os.path.dirname(p)\n"
+           "    if d: os.makedirs(d, exist_ok=True)\n"
+           "    open(p, 'w').write(t)\n")
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more characters]"
 
@@ -109,7 +117,7 @@ class ShellWorld(Environment):
         nonce = secrets.token_hex(8)
         prelude = (f"import json as _j, sys as _s\n"
                    f"def emit(v):\n    _s.__stdout__.write('K3V{nonce}' + _j.dumps(v) + '\\n'); _s.__stdout__.flush()\n")
-        res = self.sh("python3 -I - <<'K3_CHECK_EOF'\n" + prelude + script + "\nK3_CHECK_EOF", timeout)
+        res = self.box.exec(["python3", "-I", "-"], timeout=timeout, stdin=prelude + script)
         for line in (res.stdout or "").splitlines():
             if line.startswith(f"K3V{nonce}"):
                 try:
@@ -119,12 +127,10 @@ class ShellWorld(Environment):
         return None
 
     def write_files(self, files: dict[str, str]) -> None:
-        """Create the task's files (parents included)."""
-        dirs = sorted({p.rsplit("/", 1)[0] for p in files if "/" in p})
-        if dirs:
-            self.sh("mkdir -p " + " ".join(json.dumps(d) for d in dirs))
-        for path, content in files.items():
-            self.box.write_file(path, content)
+        """Create the task's files (parents included) in one exec; OSError if that fails."""
+        res = self.box.exec(["python3", "-I", "-c", _WRITER], timeout=30, stdin=json.dumps(files))
+        if res.rc != 0:
+            raise OSError(res.stderr.strip()[-500:] or f"exit code {res.rc}")
 
     # ---- Environment hooks -----------------------------------------------------------------------------
     def _reset(self, seed: int) -> tuple[list[dict], TaskInfo]:
@@ -151,7 +157,9 @@ class ShellWorld(Environment):
             return out
         if name == "read_file":
             try:
-                return _cut(self.box.read_file(_rel(args["path"])), MAX_FILE)
+                data = self.box.read_file(_rel(args["path"]))
+                text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+                return _cut(text, MAX_FILE)
             except (OSError, ValueError) as e:
                 raise ToolError(f"cannot read {args['path']!r}: {e}") from None
         if name == "write_file":
