@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ class AgentConfig:
     temperature 0 = greedy. max_new_tokens: per assistant turn (EngineAgent clips it to the context
     left). thinking: thinking mode (reasoning channel) or not; thinking_effort: low/medium/high/max
     or None (no effort message). seed: per-request sampling seed (reproducible sampled runs).
+    logprobs: record each sampled token's log-probability in `Generation.logprobs` (RL rollouts).
     """
 
     temperature: float = 0.0
@@ -45,6 +47,7 @@ class AgentConfig:
     thinking: bool = True
     thinking_effort: str | None = "low"
     seed: int | None = None
+    logprobs: bool = False
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Generation:
     """One assistant turn of `EngineAgent.generate_batch`.
 
     prompt_ids: the rendered prompt (ending with the generation prompt); token_ids: what the model
-    sampled, including the stop id when it stopped on it; logprobs: per sampled token (or []).
+    sampled, including the stop id when it stopped on it; logprobs: per sampled token the engine's
+    (logprob, top) pair (logprob None unless `AgentConfig.logprobs`).
     finish_reason: "stop" | "length" | "abort" | "error"; message: the parsed assistant message.
     """
 
@@ -122,7 +126,7 @@ class _Driver:
     request's FinalOutput-like dict is delivered through a concurrent.futures.Future.
     """
 
-    def __init__(self, engine: Any, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: Any, idle_wait_s: float = 1.0) -> None:
         self.engine = engine
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -216,6 +220,7 @@ class EngineAgent:
         self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, engine_config)
         self._driver = _Driver(self.engine)
+        weakref.finalize(self, self._driver.close)  # an agent dropped without close() stops its thread
 
     @classmethod
     def from_checkpoint(cls, directory: str, config: AgentConfig | None = None, *, tokenizer: str | None = None,
@@ -262,7 +267,7 @@ class EngineAgent:
             raise ValueError(f"the conversation ({prompt_len} tokens) fills the model's context "
                              f"({self.engine.max_model_len} tokens)")
         return SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_tokens=min(c.max_new_tokens, room), seed=c.seed)
+                              max_tokens=min(c.max_new_tokens, room), seed=c.seed, logprobs=0 if c.logprobs else None)
 
     def generate_batch(self, items: Sequence[Conversation], *, return_exceptions: bool = False) -> list[Any]:
         """One assistant turn per conversation, with prompt/output ids (for SFT and RL rollouts)."""

@@ -64,6 +64,16 @@ def test_engine_agent_act_and_batch(agent):
     assert g.token_ids == agent.generate_batch(convs[:1])[0].token_ids
 
 
+def test_logprobs_and_close():
+    a = EngineAgent(tiny_model(), tiny_tokenizer(), AgentConfig(max_new_tokens=5, temperature=1.0, seed=3,
+                                                                logprobs=True), engine_config=engine_config())
+    g = a.generate_batch([([{"role": "user", "content": "hi"}], [])])[0]
+    assert len(g.logprobs) == len(g.token_ids) and all(lp <= 0 for lp, _ in g.logprobs)
+    assert g.token_ids == a.generate_batch([([{"role": "user", "content": "hi"}], [])])[0].token_ids  # seeded
+    a.close()
+    a.close()
+
+
 def test_engine_agent_threads_share_the_engine(agent):
     convs = [[{"role": "user", "content": f"plan step {i}"}] for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
