@@ -208,16 +208,16 @@ def check_multi_turn(entry: dict, model_turns: list[list[list[tuple[str, dict]]]
         if not gt_calls:
             continue
         if not any(steps):
-            return f"turn {t}: empty model response"
+            return f"empty_turn: turn {t}: empty model response"
         ms, gs = model.state(), truth.state()
         for cls in gs:
             diff = sorted(k for k in gs[cls] if ms[cls].get(k) != gs[cls][k])
             if diff:
-                return f"turn {t}: state of {cls} differs in {diff}"
+                return f"state_mismatch: turn {t}: state of {cls} differs in {diff}"
         pool = list(model_results)
         for r in gt_results:
             if r not in pool:
-                return f"turn {t}: ground-truth result missing from the model's results: {r[:200]!r}"
+                return f"response_mismatch: turn {t}: ground-truth result missing from the model's results: {r[:200]!r}"
             pool.remove(r)
     return None
 
@@ -257,7 +257,8 @@ def run_multi_turn(entry: dict, agent: Any) -> EntryResult:
         turn: list[list[tuple[str, dict]]] = []
         for step in range(MAX_STEPS + 1):
             if step == MAX_STEPS:
-                return EntryResult(entry["id"], False, f"force_quit: more than {MAX_STEPS} steps in a turn", turns, steps)
+                why = f"force_quit: more than {MAX_STEPS} steps in a turn"
+                return EntryResult(entry["id"], False, why, turns, steps)
             try:
                 reply = agent.act(list(messages), tools)
             except Exception as e:

@@ -224,7 +224,8 @@ class EngineAgent:
 
     @classmethod
     def from_checkpoint(cls, directory: str, config: AgentConfig | None = None, *, tokenizer: str | None = None,
-                        device: str | None = None, dtype: str | None = None, engine_config: Any = None) -> "EngineAgent":
+                        device: str | None = None, dtype: str | None = None,
+                        engine_config: Any = None) -> "EngineAgent":
         """Load a checkpoint directory (official layout + tokenizer files, or `tokenizer=DIR`).
         device: default cuda if available, else cpu; dtype: default bfloat16 on cuda, float32 on cpu."""
         import torch

@@ -116,7 +116,8 @@ class ShellWorld(Environment):
         None when the script failed, timed out or emitted nothing."""
         nonce = secrets.token_hex(8)
         prelude = (f"import json as _j, sys as _s\n"
-                   f"def emit(v):\n    _s.__stdout__.write('K3V{nonce}' + _j.dumps(v) + '\\n'); _s.__stdout__.flush()\n")
+                   f"def emit(v):\n"
+                   f"    _s.__stdout__.write('K3V{nonce}' + _j.dumps(v) + '\\n'); _s.__stdout__.flush()\n")
         res = self.box.exec(["python3", "-I", "-"], timeout=timeout, stdin=prelude + script)
         for line in (res.stdout or "").splitlines():
             if line.startswith(f"K3V{nonce}"):
