@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -328,6 +329,7 @@ class EndpointError(RuntimeError):
 
 
 _MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+RETRY_STATUS = (429, 502, 503, 504)  # overloaded or a proxy in between: worth another try
 
 
 class OpenAIAgent:
@@ -336,13 +338,15 @@ class OpenAIAgent:
     base_url: e.g. http://127.0.0.1:8000/v1. send_reasoning: pass earlier turns' reasoning_content
     back (k3 serve and the Kimi API keep it; set False for endpoints that reject the field).
     extra_body: merged into every request (e.g. {"thinking": {"type": "disabled"}}).
-    Errors (HTTP, timeouts, malformed replies) raise EndpointError / httpx errors: `run_episode`
-    records them as the episode's agent_error.
+    retries: extra attempts after a transport error (refused, reset, timed out) or HTTP 429 / 502 /
+    503 / 504, waiting retry_wait_s, then twice as long, ... Errors that remain (and malformed
+    replies) raise EndpointError / httpx errors: `run_episode` records them as the agent_error.
     """
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, *, temperature: float | None = 0.0,
                  max_tokens: int | None = None, timeout: float = 600.0, send_reasoning: bool = True,
-                 reasoning_effort: str | None = None, extra_body: dict | None = None) -> None:
+                 reasoning_effort: str | None = None, extra_body: dict | None = None, retries: int = 2,
+                 retry_wait_s: float = 1.0) -> None:
         import httpx
 
         if not base_url.startswith(("http://", "https://")):
@@ -351,6 +355,7 @@ class OpenAIAgent:
         self.temperature, self.max_tokens = temperature, max_tokens
         self.send_reasoning, self.reasoning_effort = send_reasoning, reasoning_effort
         self.extra_body = dict(extra_body or {})
+        self.retries, self.retry_wait_s = max(0, retries), retry_wait_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout, headers=headers)
 
@@ -377,8 +382,24 @@ class OpenAIAgent:
                 out["reasoning_content"] = m["reasoning_content"]
         return out
 
+    def _post(self, body: dict) -> Any:
+        import httpx
+
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                r = self._client.post(self.base_url + "/chat/completions", json=body)
+            except httpx.TransportError:
+                if last:
+                    raise
+            else:
+                if r.status_code not in RETRY_STATUS or last:
+                    return r
+            time.sleep(self.retry_wait_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
     def act(self, messages: list[dict], tools: list[dict]) -> dict:
-        r = self._client.post(self.base_url + "/chat/completions", json=self.payload(messages, tools))
+        r = self._post(self.payload(messages, tools))
         try:
             body = r.json()
         except ValueError:

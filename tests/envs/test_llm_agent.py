@@ -189,7 +189,7 @@ def test_openai_agent_round_trip(fake_server):
 
 def test_openai_agent_errors(fake_server):
     _Scripted.replies = [(400, {"error": {"message": "bad tools"}}), (200, "not json"), (200, {"choices": []})]
-    agent = OpenAIAgent(fake_server, "m")
+    agent = OpenAIAgent(fake_server, "m", retries=0)
     for pattern in ("HTTP 400: bad tools", "not JSON", "no choices"):
         with pytest.raises(EndpointError, match=pattern):
             agent.act([{"role": "user", "content": "hi"}], [])
@@ -198,6 +198,19 @@ def test_openai_agent_errors(fake_server):
     _Scripted.replies = [(500, {"error": {"message": "boom"}})]
     ep = run_episode(Counter(), agent, seed=0)
     assert ep.agent_error.startswith("EndpointError") and ep.turns == 0
+
+
+def test_openai_agent_retries(fake_server):
+    ok = (200, _completion({"role": "assistant", "content": "fine"}))
+    _Scripted.replies = [(503, {"error": {"message": "busy"}}), (429, {}), ok]
+    agent = OpenAIAgent(fake_server, "m", retries=2, retry_wait_s=0.01)
+    assert agent.act([{"role": "user", "content": "hi"}], [])["content"] == "fine" and len(_Scripted.seen) == 3
+    _Scripted.replies = [(503, {"error": {"message": "busy"}})] * 2
+    with pytest.raises(EndpointError, match="HTTP 503: busy"):
+        OpenAIAgent(fake_server, "m", retries=1, retry_wait_s=0.01).act([{"role": "user", "content": "hi"}], [])
+    dead = OpenAIAgent("http://127.0.0.1:9/v1", "m", retries=1, retry_wait_s=0.01)
+    with pytest.raises(Exception, match="(?i)connect"):
+        dead.act([{"role": "user", "content": "hi"}], [])
 
 
 def test_message_from_completion_normalises():
