@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -120,6 +120,17 @@ def _renderable_call(call: Any) -> Any:
 # ---------------------------------------------------------------------------------------- in-process
 
 
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete `fut` unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
 class _Driver:
     """Steps one Engine on a background thread for any number of submitting threads.
 
@@ -162,10 +173,12 @@ class _Driver:
                 ids, params, fut = self._cmds.get_nowait()
             except queue.Empty:
                 return
+            if fut.cancelled():
+                continue
             try:
                 rid = self.engine.add_request(ids, params)
             except (ValueError, KeyError) as e:
-                fut.set_exception(ValueError(str(e)))
+                _settle(fut, error=ValueError(str(e)))
                 continue
             self._live[rid] = (fut, {"token_ids": [], "logprobs": [], "finish_reason": None})
 
@@ -179,15 +192,22 @@ class _Driver:
                     continue
                 for out in self.engine.step():
                     self._collect(out)
+                self._drop_cancelled()
             except Exception as e:  # fail what is in flight, keep the driver alive for later requests
                 for rid, (fut, _) in list(self._live.items()):
                     self.engine.abort(rid)
-                    fut.set_exception(RuntimeError(f"engine failure: {type(e).__name__}: {e}"))
+                    _settle(fut, error=RuntimeError(f"engine failure: {type(e).__name__}: {e}"))
                 self._live.clear()
         for rid, (fut, _) in list(self._live.items()):  # closed with requests in flight
             self.engine.abort(rid)
-            fut.set_exception(RuntimeError("the agent was closed"))
+            _settle(fut, error=RuntimeError("the agent was closed"))
         self._live.clear()
+
+    def _drop_cancelled(self) -> None:
+        """Abort the requests whose caller gave up (frees their cache)."""
+        for rid in [rid for rid, (fut, _) in self._live.items() if fut.cancelled()]:
+            del self._live[rid]
+            self.engine.abort(rid)
 
     def _collect(self, out: Any) -> None:
         entry = self._live.get(out.request_id)
@@ -199,10 +219,10 @@ class _Driver:
         if out.finished:
             del self._live[out.request_id]
             if out.finish_reason == "error":
-                fut.set_exception(RuntimeError(f"generation failed: {out.error}"))
+                _settle(fut, error=RuntimeError(f"generation failed: {out.error}"))
             else:
                 acc["finish_reason"] = out.finish_reason
-                fut.set_result(acc)
+                _settle(fut, acc)
 
 
 class EngineAgent:
@@ -295,6 +315,7 @@ class EngineAgent:
                 res = fut.result()
             except (ValueError, RuntimeError) as e:
                 if not return_exceptions:
+                    self._cancel(futures)
                     raise
                 out.append(e)
                 continue
@@ -309,7 +330,7 @@ class EngineAgent:
     def _cancel(futures: list[Any]) -> None:
         for f in futures:
             if isinstance(f, Future):
-                f.cancel()  # results of already-running requests are simply dropped
+                f.cancel()  # the driver aborts the request (a finished one's result is dropped)
 
     def close(self) -> None:
         self._driver.close()

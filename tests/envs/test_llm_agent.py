@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -98,6 +99,12 @@ def test_too_long_and_unrenderable_conversations(agent):
     out = agent.act_batch([(long, []), (bad, []), ([{"role": "user", "content": "hi"}], [])], return_exceptions=True)
     assert isinstance(out[0], ValueError) and isinstance(out[1], Exception)
     _well_formed(out[2])
+    # a batch that fails part-way cancels what it submitted; the engine is left empty and usable
+    with pytest.raises(ValueError):
+        agent.act_batch([([{"role": "user", "content": "hi"}], []), (long, [])])
+    _well_formed(agent.act([{"role": "user", "content": "hello"}], []))
+    time.sleep(0.2)
+    assert not agent.engine.requests
 
 
 def test_garbage_output_never_raises():
