@@ -20,7 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _agent_args(w, builtin=True)
     w.add_argument("--tasks", type=int, default=10, help="episodes per world (held-out seeds)")
     w.add_argument("--worlds", default=None, help="comma-separated world names (default: all)")
-    w.add_argument("--harness", default=None, help="harness profile name, or 'random' (sampled per episode)")
+    from k3.envs.harness import PROFILES
+
+    w.add_argument("--harness", default=None, help=f"harness profile ({', '.join(PROFILES)}) or 'random' "
+                   "(sampled per episode); default: the worlds as declared")
     w.add_argument("--max-turns", type=int, default=24)
     w.add_argument("--split", default="heldout", choices=["heldout", "train"])
     w.add_argument("--transcripts", default=None, metavar="PATH", help="write every episode's messages (JSONL)")
