@@ -82,6 +82,16 @@ def test_user_errors(toy, capsys):
     assert main(["eval", "worlds", "--checkpoint", "/nonexistent/ckpt", "--tasks", "1"]) == 2
 
 
+def test_builtin_agents_on_the_practice_worlds(capsys):
+    assert main(["eval", "worlds", "--agent", "oracle", "--tasks", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["worlds"]) == {"mail", "chat", "notes", "course", "assistant", "shell"}
+    assert all(s["success_rate"] == 1.0 and s["episodes"] == 2 for s in report["worlds"].values())
+    assert main(["eval", "worlds", "--agent", "random", "--tasks", "5", "--harness", "random", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert all(s["success_rate"] < 0.1 and s["env_errors"] == 0 for s in report["worlds"].values())
+
+
 def test_failures_are_recorded_not_raised():
     reg = _registry(("counter", "broken"))
 

@@ -182,6 +182,17 @@ def test_context_management():
         render_text(view, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_oracle_on_the_practice_worlds(profile):
+    from k3.envs.worlds import make_world, task_seeds
+
+    for world in ("mail", "chat", "notes", "course", "assistant"):
+        for seed in task_seeds("heldout", 2, world):
+            env = HarnessEnv(make_world(world), get_profile(profile))
+            ep = run_episode(env, LazyOracle(env), seed, max_turns=40, view=env.view)
+            assert ep.reward.success and env.stats.errors == 0, (world, seed, ep.reward.details, env.stats.log)
+
+
 def test_sample_profile_varies_and_is_seeded():
     got = [sample_profile(random.Random(s)) for s in range(60)]
     assert [p.name for p in got] == [sample_profile(random.Random(s)).name for s in range(60)]

@@ -7,13 +7,9 @@ import json
 
 import pytest
 
-from tests.envs.shell_standin import install_if_missing
-
-install_if_missing()  # only while this checkout has no k3.envs.sandbox
-
-from k3.envs.base import run_episode  # noqa: E402
-from k3.envs.worlds.shell import ShellWorld, task_for  # noqa: E402
-from k3.envs.worlds.shell_tasks import FAMILIES  # noqa: E402
+from k3.envs.base import run_episode
+from k3.envs.worlds.shell import ShellWorld, task_for
+from k3.envs.worlds.shell_tasks import FAMILIES
 
 KINDS = [f.__name__ for f in FAMILIES]
 
