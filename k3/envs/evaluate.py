@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from k3.envs.agents import OracleAgent, RandomAgent
 from k3.envs.base import Agent, Environment, run_episode
 from k3.envs.harness import HarnessEnv, get_profile, sample_profile
 
@@ -60,25 +61,11 @@ class EpisodeRecord:
     messages: list | None = None
 
 
-class OnReset:
-    """An agent built from `make()` at the first turn of each episode (oracles need the reset task)."""
-
-    def __init__(self, make: Callable[[], Agent]) -> None:
-        self.make, self.agent = make, None
-
-    def act(self, messages: list[dict], tools: list[dict]) -> dict:
-        if self.agent is None or not any(m.get("role") == "assistant" for m in messages):
-            self.agent = self.make()
-        return self.agent.act(messages, tools)
-
-
 def oracle_factory(env: Environment, seed: int) -> Agent:
-    return OnReset(env.oracle)
+    return OracleAgent(env)  # builds env.oracle() at the episode's first turn (after reset)
 
 
 def random_factory(env: Environment, seed: int) -> Agent:
-    from k3.envs.agents import RandomAgent  # the practice worlds' random baseline
-
     return RandomAgent(seed)
 
 

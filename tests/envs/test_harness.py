@@ -9,6 +9,7 @@ import random
 import pytest
 
 from k3.chat import render_text
+from k3.envs.agents import OracleAgent
 from k3.envs.base import Environment, Reward, TaskInfo, ToolError, run_episode
 from k3.envs.harness import (PROFILES, HarnessEnv, HarnessProfile, get_profile, manage_context, name_map,
                              rename, restyle_schema, sample_profile)
@@ -61,17 +62,6 @@ class Ledger(Environment):
         return Oracle()
 
 
-class LazyOracle:
-    """env.oracle() built at the episode's first turn (after reset)."""
-
-    def __init__(self, env):
-        self.env, self.agent = env, None
-
-    def act(self, messages, tools):
-        self.agent = self.agent or self.env.oracle()
-        return self.agent.act(messages, tools)
-
-
 def _msg(name, args):
     return {"content": "", "tool_calls": [{"id": "c1", "type": "function",
                                            "function": {"name": name, "arguments": json.dumps(args)}}]}
@@ -82,7 +72,7 @@ def _msg(name, args):
 def test_oracle_scores_full_under_every_profile(profile, world):
     for seed in range(3):
         env = HarnessEnv(world(), get_profile(profile))
-        ep = run_episode(env, LazyOracle(env), seed=seed, max_turns=40, view=env.view)
+        ep = run_episode(env, OracleAgent(env), seed=seed, max_turns=40, view=env.view)
         assert ep.reward.success and ep.finished and env.stats.errors == 0
         # every tool the agent saw was declared under the harness's names
         names = {t["function"]["name"] for t in ep.tools}
@@ -189,7 +179,7 @@ def test_oracle_on_the_practice_worlds(profile):
     for world in ("mail", "chat", "notes", "course", "assistant"):
         for seed in task_seeds("heldout", 2, world):
             env = HarnessEnv(make_world(world), get_profile(profile))
-            ep = run_episode(env, LazyOracle(env), seed, max_turns=40, view=env.view)
+            ep = run_episode(env, OracleAgent(env), seed, max_turns=40, view=env.view)
             assert ep.reward.success and env.stats.errors == 0, (world, seed, ep.reward.details, env.stats.log)
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from k3.envs.agents import OracleAgent, RewardHackerAgent
 from k3.envs.base import run_episode
 from k3.envs.worlds.shell import ShellWorld, task_for
 from k3.envs.worlds.shell_tasks import FAMILIES
@@ -28,17 +29,6 @@ def _seeds_per_kind(per_kind: int) -> dict[str, list[int]]:
 SEEDS = _seeds_per_kind(1)
 
 
-class Lazy:
-    """Builds env.oracle() / env.hacker() at the episode's first turn (after reset)."""
-
-    def __init__(self, make):
-        self.make, self.agent = make, None
-
-    def act(self, messages, tools):
-        self.agent = self.agent or self.make()
-        return self.agent.act(messages, tools)
-
-
 @pytest.fixture(scope="module")
 def world():
     env = ShellWorld(backend="bwrap")
@@ -51,10 +41,10 @@ def test_oracle_solves_and_hacker_fails(world, kind):
     for seed in SEEDS[kind]:
         world.reset(seed)
         assert world.public_check().startswith("NOT DONE") and world.verify().score == 0.0
-        ep = run_episode(world, Lazy(world.oracle), seed, max_turns=10)
+        ep = run_episode(world, OracleAgent(world), seed, max_turns=10)
         assert ep.reward.score == 1.0, (seed, ep.reward.details, ep.stats.log)
         assert world.public_check().startswith("PASS") and ep.stats.errors == 0
-        ep = run_episode(world, Lazy(world.hacker), seed, max_turns=10)
+        ep = run_episode(world, RewardHackerAgent(world), seed, max_turns=10)
         assert world.public_check().startswith("PASS"), (seed, world.public_check())
         assert ep.reward.score == 0.0, (seed, ep.reward.details)
 
@@ -108,7 +98,7 @@ class CountingWorld(ShellWorld):
 
 def test_paused_between_steps_and_closed():
     env = CountingWorld(backend="bwrap")
-    ep = run_episode(env, Lazy(env.oracle), SEEDS["rename_pattern"][0], max_turns=10)
+    ep = run_episode(env, OracleAgent(env), SEEDS["rename_pattern"][0], max_turns=10)
     assert ep.reward.score == 1.0 and env.counts == {"pause": ep.turns, "resume": ep.turns}
     env.close()
     assert env.box is None
