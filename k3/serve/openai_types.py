@@ -208,7 +208,7 @@ class ChatRequest:
     effort: str
     response_format: Any
     logprobs: int | None  # None = off, else top_logprobs count
-    extra: dict = field(default_factory=dict)
+    parallel_tool_calls: bool = True
 
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video")
@@ -410,7 +410,8 @@ def parse_chat(body: Any, vocab: int, *, vision: bool = False) -> ChatRequest:
         raise bad("top_logprobs", "needs logprobs = true")
     return ChatRequest(common=common, messages=messages, tools=tools,
                        tool_choice=tc if isinstance(tc, str) else None, named_tool=named, thinking=thinking,
-                       effort=effort or "max", response_format=rf, logprobs=(top or 0) if lp else None)
+                       effort=effort or "max", response_format=rf, logprobs=(top or 0) if lp else None,
+                       parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
 
 
 # ---------------------------------------------------------------------------------------------- completions

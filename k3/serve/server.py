@@ -29,6 +29,7 @@ from k3.serve.async_engine import AsyncEngine, Overloaded
 from k3.serve.chat_output import ChatAssembler, CompletionAssembler, merged_response, merged_usage
 from k3.serve.metrics import prometheus_text
 from k3.serve.openai_types import APIError, ChatRequest, CommonParams, parse_chat, parse_completion
+from k3.serve.structured import GrammarCompiler, GrammarError, StructuredSpec
 
 log = logging.getLogger("k3.serve")
 
@@ -39,7 +40,10 @@ class ServerConfig:
     a request gives none (capped by the context left); max_body_bytes: larger bodies get 413.
     max_image_bytes: per encoded image (or frame); allow_local_media: accept local file paths as
     image sources (vision models; see k3.chat.media). clamp_max_tokens: lower a `max_tokens` that does not
-    fit the context left to what fits (reported in the `x-k3-max-tokens-clamped` header) instead of a 400."""
+    fit the context left to what fits (reported in the `x-k3-max-tokens-clamped` header) instead of a 400.
+    structured_outputs: enforce tool_choice required / named and JSON response formats by grammar
+    (k3.serve.structured); structured_reserve_tokens: of such a request's max_tokens, this many (at most
+    half) are kept for the constrained part: the think channel is closed when the rest is used up."""
 
     model_names: tuple[str, ...] = ("k3",)
     default_max_tokens: int = 4096
@@ -48,6 +52,8 @@ class ServerConfig:
     max_image_bytes: int = MAX_IMAGE_BYTES
     allow_local_media: bool = True
     clamp_max_tokens: bool = False
+    structured_outputs: bool = True
+    structured_reserve_tokens: int = 512
 
 
 class _State:
@@ -56,6 +62,7 @@ class _State:
         self.vision = getattr(engine.engine, "vision", None)  # VisionConfig of a vision model, else None
         self.http_requests: dict[str, int] = {}
         self.started = int(time.time())
+        self.grammar = GrammarCompiler(tokenizer)
         # no single token is longer than this many bytes: a cheap upper bound on prompt length
         self.max_token_bytes = max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.base_size)) or 1
 
@@ -189,7 +196,8 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
         for p in prompts:
             max_tokens = _max_tokens(st, common, len(p.ids), headers)
             params = common.sampling(max_tokens, req.logprobs)
-            streams += st.engine.submit_n(p.ids, params, common.n, media=p.media or None)
+            constraint = await _constraint(st, req, max_tokens) if chat else None
+            streams += st.engine.submit_n(p.ids, params, common.n, media=p.media or None, constraint=constraint)
     except APIError as e:
         for s_ in streams:
             s_.close()
@@ -214,6 +222,23 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
                                  media_type="text/event-stream", headers=headers)
     return await _collect(st, request, asms, streams, "chat.completion" if chat else "text_completion",
                           len(prompts), headers)
+
+
+async def _constraint(st: _State, req: ChatRequest, max_tokens: int) -> Any:
+    """A grammar-constraint factory for tool_choice required / named and JSON response formats, else None.
+    Thinking may use all but `structured_reserve_tokens` (at most half) of the budget."""
+    spec = StructuredSpec(thinking=req.thinking, tools=req.tools or [],
+                          tool_choice="required" if req.tool_choice == "required" else None,
+                          named_tool=req.named_tool, response_format=req.response_format,
+                          parallel=req.parallel_tool_calls)
+    if not spec.active or not st.cfg.structured_outputs:
+        return None
+    budget = max(0, max_tokens - min(st.cfg.structured_reserve_tokens, max_tokens // 2))
+    try:
+        return await asyncio.to_thread(st.grammar.compile, spec, budget)
+    except GrammarError as e:
+        param = "response_format" if spec.response_format and not (spec.tool_choice or spec.named_tool) else "tools"
+        raise APIError(400, str(e), param=param, code="invalid_schema") from None
 
 
 def _check_model(st: _State, model: str) -> None:
