@@ -68,7 +68,7 @@ class ChatAssembler:
         self.usage: dict | None = None
 
     # ---- shared --------------------------------------------------------------------------------------
-    def _deltas(self, out: RequestOutput) -> list[dict]:
+    def deltas(self, out: RequestOutput) -> list[dict]:
         ids = out.new_token_ids
         if self.skip_special:
             ids = [t for t in ids if t in self.markers or not self.tok.is_special(t)]
@@ -109,7 +109,7 @@ class ChatAssembler:
         return self.chunk({"role": "assistant", "content": ""})
 
     def stream_chunks(self, out: RequestOutput) -> list[dict]:
-        deltas = self._deltas(out)
+        deltas = self.deltas(out)
         lp = chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs) if self.want_logprobs else None
         chunks = [self.chunk(d) for d in deltas]
         if lp:
@@ -127,7 +127,7 @@ class ChatAssembler:
 
     # ---- non-streaming -------------------------------------------------------------------------------
     def add(self, out: RequestOutput) -> None:
-        self._deltas(out)
+        self.deltas(out)
         if self.want_logprobs:
             self.logprobs += chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs)
 

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Bodies are parsed and validated by hand (k3.serve.openai_types) so every malformed
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET by id;
+k3.serve.responses_api), POST /v1/messages (Anthropic; k3.serve.anthropic_api), GET /v1/models[/{id}],
+GET /health, GET /metrics; HEAD on every route. Bodies are parsed and validated by hand (k3.serve.openai_types) so every malformed
 request gets an OpenAI-shaped JSON error with a 4xx status; a client that disconnects has its
 request aborted, which frees its cache.
 """
@@ -14,7 +15,8 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from types import SimpleNamespace
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -25,6 +27,7 @@ from k3.chat import ChatFormatError, render_segments
 from k3.chat.media import ChatMediaError, load_chat_media
 from k3.chat.xtml import SegmentBuilder
 from k3.data.images import MAX_IMAGE_BYTES
+from k3.serve import anthropic_api, responses_api
 from k3.serve.async_engine import AsyncEngine, Overloaded
 from k3.serve.chat_output import ChatAssembler, CompletionAssembler, merged_response, merged_usage
 from k3.serve.metrics import prometheus_text
@@ -74,10 +77,8 @@ async def _head_ok() -> Response:
     return Response(status_code=200, headers={"allow": "POST, HEAD"})
 
 
-def build_app(engine: AsyncEngine, tokenizer: Any, config: ServerConfig | None = None,
-              extra_routes: tuple = ()) -> FastAPI:
-    """The FastAPI app; the engine thread starts and stops with the app's lifespan. extra_routes:
-    callables (app, state) that add more API surfaces (the Responses and Messages APIs)."""
+def build_app(engine: AsyncEngine, tokenizer: Any, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan."""
     from contextlib import asynccontextmanager
 
     cfg = config or ServerConfig()
@@ -141,8 +142,9 @@ def build_app(engine: AsyncEngine, tokenizer: Any, config: ServerConfig | None =
     async def completions(request: Request) -> Response:
         return await _handle(st, request, chat=False)
 
-    for extra_route in extra_routes:
-        extra_route(app, st)
+    api = SimpleNamespace(start_chat=start_chat, drain=drain, error_response=error_response, read_json=_read_json)
+    responses_api.add_routes(app, st, api)
+    anthropic_api.add_routes(app, st, api)
 
     # HEAD on a POST endpoint: it exists (200, no body); clients and proxies probe routes this way
     for route in [r for r in app.routes if "POST" in getattr(r, "methods", ())]:
@@ -183,10 +185,23 @@ class _Prompt:
     text: str = ""
 
 
-async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
+class ChatRun:
+    """A submitted chat-like request: its parsed form, one assembler and one stream per choice, and
+    response headers. Built by `start_chat` for every API surface (chat, Responses, Messages)."""
+
+    def __init__(self, req: Any, asms: list, streams: list, headers: dict[str, str], prompts: int) -> None:
+        self.req, self.asms, self.streams, self.headers, self.prompts = req, asms, streams, headers, prompts
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+async def start_chat(st: _State, body: Any, *, chat: bool = True) -> ChatRun:
+    """Validate, render, tokenize and submit an OpenAI chat (or completions) body. Raises APIError
+    (4xx), Overloaded or ValueError; nothing stays submitted when it raises."""
     streams: list = []
     try:
-        body = await _read_json(st, request)
         vocab = st.engine.engine.vocab_limit
         req = parse_chat(body, vocab, vision=st.vision is not None) if chat else parse_completion(body, vocab)
         common: CommonParams = req.common
@@ -198,30 +213,37 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
             params = common.sampling(max_tokens, req.logprobs)
             constraint = await _constraint(st, req, max_tokens) if chat else None
             streams += st.engine.submit_n(p.ids, params, common.n, media=p.media or None, constraint=constraint)
-    except APIError as e:
+    except BaseException:
         for s_ in streams:
             s_.close()
-        st.count(f"status_{e.status}")
-        return JSONResponse(e.body(), status_code=e.status)
-    except Overloaded as e:
-        for s_ in streams:
-            s_.close()
-        st.count("status_503")
-        return JSONResponse(APIError(503, f"server overloaded: {e}", code="overloaded").body(), status_code=503)
-    except ValueError as e:
-        for s_ in streams:
-            s_.close()
-        st.count("status_400")
-        return JSONResponse(APIError(400, str(e), code="invalid_value").body(), status_code=400)
-    st.count("status_200")
-    asms = _assemblers(st, req, prompts, chat)
+        raise
     headers["x-request-id"] = streams[0].request_id
+    return ChatRun(req, _assemblers(st, req, prompts, chat), streams, headers, len(prompts))
+
+
+def error_response(st: _State, e: Exception, shape: Callable[[APIError], dict] = APIError.body) -> JSONResponse:
+    """The JSON error reply for what `start_chat` raises (shape: the API's error body)."""
+    if isinstance(e, Overloaded):
+        e = APIError(503, f"server overloaded: {e}", code="overloaded")
+    elif not isinstance(e, APIError):
+        e = APIError(400, str(e), code="invalid_value")
+    st.count(f"status_{e.status}")
+    return JSONResponse(shape(e), status_code=e.status)
+
+
+async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
+    try:
+        run = await start_chat(st, await _read_json(st, request), chat=chat)
+    except (APIError, Overloaded, ValueError) as e:
+        return error_response(st, e)
+    st.count("status_200")
+    common, headers = run.req.common, run.headers
     if common.stream:
         headers["cache-control"] = "no-cache"
-        return StreamingResponse(_sse(asms, streams, common.include_usage, len(prompts)),
+        return StreamingResponse(_sse(run.asms, run.streams, common.include_usage, run.prompts),
                                  media_type="text/event-stream", headers=headers)
-    return await _collect(st, request, asms, streams, "chat.completion" if chat else "text_completion",
-                          len(prompts), headers)
+    return await _collect(st, request, run.asms, run.streams, "chat.completion" if chat else "text_completion",
+                          run.prompts, headers)
 
 
 async def _constraint(st: _State, req: ChatRequest, max_tokens: int) -> Any:
@@ -352,7 +374,7 @@ def _sse_line(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _merged(streams: list) -> AsyncIterator[tuple[int, Any]]:
+async def merged_outputs(streams: list) -> AsyncIterator[tuple[int, Any]]:
     """(stream index, output) from several streams as they arrive; exceptions are re-raised."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -390,7 +412,7 @@ async def _sse(asms: list, streams: list, include_usage: bool, prompts: int) -> 
             first = a.first_chunk()
             if first is not None:
                 yield _sse_line(first)
-        async for k, out in _merged(streams):
+        async for k, out in merged_outputs(streams):
             if out.finish_reason == "error":
                 yield _sse_line(APIError(500, f"generation failed: {out.error}").body())
                 return
@@ -408,8 +430,10 @@ async def _sse(asms: list, streams: list, include_usage: bool, prompts: int) -> 
             s.close()  # client gone or done: abort what still runs (frees the cache)
 
 
-async def _collect(st: _State, request: Request, asms: list, streams: list, obj: str, prompts: int,
-                   headers: dict[str, str]) -> Response:
+async def drain(st: _State, request: Request, streams: list, on_output: Callable[[int, Any], None]
+                ) -> JSONResponse | None:
+    """Feed every output of `streams` to on_output(stream index, output) until all finish, aborting them
+    if the client disconnects. Returns an error reply (generation failed: 500; client gone: 499) or None."""
     async def watch() -> None:
         while not all(s.done for s in streams):
             if await request.is_disconnected():
@@ -419,17 +443,27 @@ async def _collect(st: _State, request: Request, asms: list, streams: list, obj:
             await asyncio.sleep(st.cfg.disconnect_poll_s)
 
     watcher = asyncio.create_task(watch())
+    finished = 0
     try:
-        async for k, out in _merged(streams):
+        async for k, out in merged_outputs(streams):
             if out.finish_reason == "error":
                 return JSONResponse(APIError(500, f"generation failed: {out.error}").body(), status_code=500)
-            asms[k].add(out)
+            on_output(k, out)
+            finished += out.finished
     except (ValueError, RuntimeError) as e:
         return JSONResponse(APIError(500, f"generation failed: {e}").body(), status_code=500)
     finally:
         watcher.cancel()
         for s in streams:
             s.close()
-    if any(a.usage is None for a in asms):  # aborted because the client left: nobody reads this
+    if finished < len(streams):  # aborted because the client left: nobody reads this
         return JSONResponse(APIError(499, "client closed the request").body(), status_code=499)
+    return None
+
+
+async def _collect(st: _State, request: Request, asms: list, streams: list, obj: str, prompts: int,
+                   headers: dict[str, str]) -> Response:
+    err = await drain(st, request, streams, lambda k, out: asms[k].add(out))
+    if err is not None:
+        return err
     return JSONResponse(merged_response(asms, obj, prompts), headers=headers)
