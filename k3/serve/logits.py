@@ -22,23 +22,39 @@ def needs_adjust(req: Any) -> bool:
 def make_adjust(reqs: Sequence[Any], eos_id: int | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """reqs: the requests of the rows of one sampling call, in row order (`.params`, `.out_ids`,
     `.constraint` with `allowed(vocab) -> bool [vocab] | None`). Returns logits [N, V] float32 ->
-    adjusted copy, or None when no row changes."""
+    adjusted copy, or None when no row changes. Grammar masks of all constrained rows are computed
+    together (`batch_bias` of the constraint type) and added to the logits at once."""
     rows = [(i, r) for i, r in enumerate(reqs) if needs_adjust(r)]
     if not rows:
         return None
 
     def adjust(logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
+        vocab = logits.shape[-1]
+        grammar = []  # (row, request): constrained rows without other adjustments, masked together
         for i, r in rows:
-            logits[i] = adjust_row(logits[i], r, eos_id)
+            if r.params.adjusts_logits:  # rare: penalties / bias / min_tokens, row by row
+                allowed = r.constraint.allowed(vocab) if r.constraint is not None else None
+                logits[i] = adjust_row(logits[i], r, eos_id, allowed)
+            else:
+                grammar.append((i, r))
+        if grammar:
+            cons = [r.constraint for _, r in grammar]
+            which, bias = type(cons[0]).batch_bias(cons, vocab, logits.device)
+            if which and len(which) == logits.shape[0]:
+                logits += bias
+            elif which:
+                idx = torch.tensor([grammar[k][0] for k in which], device=logits.device)
+                logits.index_add_(0, idx, bias)
         return logits
 
     return adjust
 
 
-def adjust_row(row: torch.Tensor, req: Any, eos_id: int | None) -> torch.Tensor:
-    """One row: logits [V] float32 -> adjusted [V] (penalties, bias, min_tokens, then the grammar mask).
-    The grammar mask wins: when the other changes leave no allowed token, only the mask is applied."""
+def adjust_row(row: torch.Tensor, req: Any, eos_id: int | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """One row: logits [V] float32 -> adjusted [V] (penalties, bias, min_tokens, then the grammar mask
+    `allowed` bool [V]). The grammar mask wins: when the other changes leave no allowed token, only the
+    mask is applied."""
     p, vocab = req.params, row.shape[-1]
     out = row.clone()
     if (p.presence_penalty or p.frequency_penalty) and req.out_ids:
@@ -55,7 +71,6 @@ def adjust_row(row: torch.Tensor, req: Any, eos_id: int | None) -> torch.Tensor:
             stops.append(eos_id)
         if stops:
             out[torch.tensor(stops, device=row.device)] = float("-inf")
-    allowed = req.constraint.allowed(vocab) if req.constraint is not None else None
     if allowed is not None:
         allowed = allowed.to(row.device)
         masked = out.masked_fill(~allowed, float("-inf"))

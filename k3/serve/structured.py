@@ -36,6 +36,7 @@ from k3.chat.xtml import CLOSE, SegmentBuilder
 
 MAX_PARALLEL_CALLS = 4
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BLOCKED = torch.finfo(torch.float32).max
 _XTML_TYPE = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "null": "null",
               "object": "object", "array": "array"}
 
@@ -90,6 +91,44 @@ class GrammarConstraint:
         bits = ((self._bits[:, None] >> self._shifts) & 1).flatten()[: min(vocab, self.n_vocab)].bool()
         out[: bits.numel()] = bits
         return out
+
+    @property
+    def state(self) -> str:
+        """"free" (grammar done or broken), "close" (thinking out of budget) or "grammar"."""
+        m = self.matcher
+        if m.is_stopped() or m.is_error():
+            return "free"
+        return "close" if self.think_budget is not None and self.count >= self.think_budget else "grammar"
+
+    @staticmethod
+    def batch_bias(constraints: list["GrammarConstraint"], vocab: int, device: torch.device
+                   ) -> tuple[list[int], torch.Tensor | None]:
+        """Masks of many rows at once, as additive logit biases: (positions in `constraints` that are
+        masked, float32 [len(positions), vocab] on `device`: 0 where allowed, -FLT_MAX elsewhere, i.e.
+        probability exactly 0). The bitmasks are filled by llguidance on the host (~5 us a row from its
+        cache), copied as int32 words (32x smaller than a bool mask) and unpacked on the device."""
+        rows = [k for k, c in enumerate(constraints) if c.state != "free"]
+        if not rows:
+            return [], None
+        n_vocab = constraints[rows[0]].n_vocab
+        words = (n_vocab + 31) // 32
+        bits = torch.zeros(len(rows), words, dtype=torch.int32)
+        for r, k in enumerate(rows):
+            c = constraints[k]
+            if c.state == "close":
+                b = c.close_id % 32
+                bits[r, c.close_id // 32] = (1 << b) if b < 31 else -(1 << 31)
+            else:
+                c.matcher.unsafe_compute_mask_ptr(bits[r].data_ptr(), words * 4)
+        dev = bits.to(device, non_blocking=True)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        ones = ((dev[:, :, None] >> shifts) & 1).view(len(rows), -1)[:, : min(vocab, words * 32)]
+        # 0 where allowed, -FLT_MAX elsewhere: exp() of it is exactly 0, and it is built by plain
+        # arithmetic (writing -inf by log / masked_fill / where is ~50x slower on CPU)
+        bias = ones.to(torch.float32).sub_(1).mul_(_BLOCKED)
+        if vocab > bias.shape[1]:  # model vocabulary wider than the tokenizer's: never allowed
+            bias = torch.cat([bias, bias.new_full((len(rows), vocab - bias.shape[1]), -_BLOCKED)], 1)
+        return rows, bias
 
     def accept(self, token: int) -> None:
         if self.matcher.is_stopped() or self.matcher.is_error():
