@@ -219,8 +219,8 @@ class Engine:
         `<|media_pad|>` runs, in order; encoded here, once (see k3.serve.media).
         fork_ids: ids of sibling requests with the same prompt (n > 1): they fork this request's cache
         once its prompt is computed (`Scheduler.fork`; prefilled once) and sample independently (a
-        seeded request's k-th sibling uses seed + k); aborting this request before the fork aborts
-        them. constraint: a factory of a fresh grammar constraint per request (`k3.serve.structured`)."""
+        seeded request's k-th sibling uses seed + k); if this request is aborted before the fork, they
+        are queued on their own. constraint: a factory of a fresh grammar constraint per request (`k3.serve.structured`)."""
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.vocab_limit for t in ids):
@@ -276,8 +276,9 @@ class Engine:
         self.scheduler.remove(req)
         req.status, req.finish_reason = "finished", "abort"
         self.metrics.on_finish(req)
-        for child in req.forks:  # siblings not forked yet share this submission
-            self.abort(child.request_id)
+        for child in req.forks:  # siblings not forked yet go on alone (prefilling from the prefix cache)
+            if child.status == "forking":
+                self.scheduler.add(child)
         req.forks = []
         return True
 

@@ -1,5 +1,5 @@
 """n > 1 in the engine: siblings fork the computed prompt (one prefill), sample on their own, and give
-back every block; aborting before the fork aborts the siblings."""
+back every block; aborting the first sample before the fork leaves its siblings running."""
 
 from __future__ import annotations
 
@@ -32,15 +32,19 @@ def test_forked_siblings_match_independent_runs(make_engine, tokenizer):
     assert eng.pool.num_free == eng.pool.usable
 
 
-def test_seeded_siblings_differ_and_abort_before_fork(make_engine, tokenizer):
+def test_seeded_siblings_differ_and_aborts_before_the_fork(make_engine, tokenizer):
     prompt = random_prompt(random.Random(4), 30, tokenizer.base_size)
     eng = make_engine()
     eng.add_request(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True), request_id="s",
                     fork_ids=["s-1"])
     outs = run(eng, ["s", "s-1"])
     assert outs["s"] != outs["s-1"] and len(outs["s-1"]) == 8
-    eng.add_request(prompt, SamplingParams(max_tokens=4), request_id="b", fork_ids=["b-1", "b-2"])
-    assert eng.abort("b") and not eng.has_unfinished()
+    eng.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), request_id="b", fork_ids=["b-1", "b-2"])
+    assert eng.abort("b")  # before the fork: the siblings go on alone
+    outs = run(eng, ["b-1", "b-2"])
+    assert len(outs["b-1"]) == len(outs["b-2"]) == 4 and eng.metrics.forked_requests == 1
+    eng.add_request(prompt, SamplingParams(max_tokens=4), request_id="c", fork_ids=["c-1"])
+    assert eng.abort("c-1") and eng.abort("c") and not eng.has_unfinished()
 
 
 def test_adjust_row_penalties_bias_and_min_tokens():
