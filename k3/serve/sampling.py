@@ -224,12 +224,14 @@ class Detokenizer:
     def __post_init__(self) -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        # a tokenizer without special tokens (no is_special) has nothing to skip
+        self._is_special = getattr(self.tokenizer, "is_special", None) if self.skip_special else None
         self._searched = 0
 
     def add(self, token_id: int) -> bool:
         """Append one token; returns True when a stop string matched."""
         self.ids.append(token_id)
-        if not (self.skip_special and self.tokenizer.is_special(token_id)):
+        if self._is_special is None or not self._is_special(token_id):
             self.text += self._dec.decode(self.tokenizer.token_bytes(token_id))
         self.char_end.append(len(self.text))
         if self.stop:
