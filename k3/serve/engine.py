@@ -29,7 +29,7 @@ from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_me
 from k3.serve.metrics import EngineMetrics
 from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
-from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
+from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
 from k3.serve.speculative import SpeculativeDecoder
 
@@ -236,7 +236,7 @@ class Engine:
         req = Request(
             request_id=rid, tokens=ids, params=params, arrival=time.time(), rng=make_rng(params),
             detok=(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-                   if self.tokenizer is not None else _NullDetok()),
+                   if self.tokenizer is not None else NullDetokenizer()),
             long=len(ids) > self.config.long_prompt_threshold, max_sampled=params.max_tokens,
             extra_checkpoints=tuple(int(p) for p in checkpoint_positions), media=encoded,
         )
@@ -260,7 +260,7 @@ class Engine:
         params = p if p.seed is None else replace(p, seed=p.seed + k)
         child = Request(request_id=rid, tokens=list(req.tokens), params=params, arrival=req.arrival,
                         rng=make_rng(params), detok=Detokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
-                        if self.tokenizer is not None else _NullDetok(),
+                        if self.tokenizer is not None else NullDetokenizer(),
                         long=req.long, max_sampled=req.max_sampled, media=req.media)
         child.status = "forking"
         child.hasher = (PrefixHasher(child.tokens, self.config.unit_size) if req.media is None
@@ -509,20 +509,3 @@ class Engine:
                      prefix_saved=ps.saved, prefix_evicted=ps.evicted,
                      prefix_token_hit_rate=ps.hit_tokens / ps.query_tokens if ps.query_tokens else 0.0)
         return s
-
-
-class _NullDetok:
-    """Detokenizer stand-in without a tokenizer: ids only, no text, no stop strings."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.released = 0
-
-    def add(self, token_id: int) -> bool:
-        self.ids.append(token_id)
-        return False
-
-    def release(self, final: bool) -> tuple[list[int], str]:
-        out = self.ids[self.released:]
-        self.released = len(self.ids)
-        return out, ""

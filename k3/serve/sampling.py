@@ -264,3 +264,20 @@ class Detokenizer:
         end_chr = max(end_chr, start_chr)
         self.released = upto
         return self.ids[start_tok:upto], self.text[start_chr:end_chr]
+
+
+class NullDetokenizer:
+    """Detokenizer stand-in without a tokenizer: ids only, no text, no stop strings."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.released = 0
+
+    def add(self, token_id: int) -> bool:
+        self.ids.append(token_id)
+        return False
+
+    def release(self, final: bool) -> tuple[list[int], str]:
+        out = self.ids[self.released:]
+        self.released = len(self.ids)
+        return out, ""
