@@ -11,6 +11,10 @@
 
 (c) batch decode: `--decode-batches` requests with `--decode-context`-token prompts decode together;
     tokens/s of pure decode steps (sampling included), CUDA graphs vs eager (`--decode-modes`).
+(d) structured outputs (`--which structured`): the same batch decode with every request constrained
+    by a JSON-schema grammar (k3.serve.structured; masks computed per step, applied to the logits)
+    vs unconstrained; the random model stays inside a JSON string, the steady state of a long
+    structured answer. `--tokenizer DIR` (default: a BPE tokenizer trained here to the model's vocab).
 
 Reports throughput, time to first token and the share of reusable prompt tokens served from the
 cache, as JSON lines (and Markdown tables with --markdown).
@@ -50,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None, help="load weights instead of random ones")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--which", default="decode,agentic,gsp", help="comma list of: decode, agentic, gsp")
+    p.add_argument("--which", default="decode,agentic,gsp",
+                   help="comma list of: decode, agentic, gsp, structured")
+    p.add_argument("--tokenizer", default=None, help="structured: tokenizer directory (default: trained here)")
     p.add_argument("--cache", default="on,off", help="comma list of: on, off")
     p.add_argument("--memory-budget-gb", type=float, default=None)
     p.add_argument("--page-size", type=int, default=None)
@@ -65,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # batch decode
     p.add_argument("--decode-batches", default=None, help="comma list of batch sizes")
     p.add_argument("--decode-context", type=int, default=None, help="prompt tokens per request")
+    p.add_argument("--structured-batches", default=None, help="structured: comma list of batch sizes")
+    p.add_argument("--structured-repeats", type=int, default=3, help="structured: alternating off/on runs")
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per batch size")
     p.add_argument("--decode-modes", default=None,
                    help="comma list of: graphs (CUDA), static (static path, eager), eager (dynamic path)")
@@ -93,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     full.update(decode_batches="1,8,32,64", decode_context=1024, decode_steps=64)
     quick = dict(full, turns=6, clients=4, output_len=64, gsp_groups=8, gsp_prompts=5, gsp_output_len=64,
                  decode_steps=32)
-    tiny = dict(preset="k3-tiny", memory_budget_gb=0.25, page_size=32, unit_size=64, prefill_budget=512,
+    full.update(structured_batches="1,8,32")
+    quick = dict(quick, structured_batches="1,8,32")
+    tiny = dict(preset="k3-tiny", structured_batches="1,8,32", memory_budget_gb=0.25, page_size=32, unit_size=64, prefill_budget=512,
                 system_len=384, turns=4, clients=2, user_len=24, tool_len=48, output_len=8,
                 gsp_groups=3, gsp_prompts=3, gsp_system_len=384, gsp_question_len=32, gsp_output_len=8,
                 gsp_concurrency=2, decode_batches="1,4", decode_context=40, decode_steps=3)
@@ -229,6 +239,81 @@ def run_decode(model, args: argparse.Namespace, mode: str, tok: Tokens, eos: int
     return rows
 
 
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+
+def bench_tokenizer(args: argparse.Namespace, vocab_size: int):
+    """--tokenizer, or a BPE tokenizer trained on random words, padded to the model's vocabulary."""
+    from k3.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    rng = random.Random(args.seed)
+    words = [''.join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9))) for _ in range(400)]
+    texts = [" ".join(rng.choice(words) for _ in range(80)) + ' {"a": [1, 2.5, true, null], "b": "x"}'
+             for _ in range(400)]
+    return train_bpe_tokenizer(texts, vocab_size)
+
+
+def run_structured(model, args: argparse.Namespace, tokenizer) -> list[dict]:
+    """Batch-decode throughput with every request grammar-constrained (on) vs none (off), same engine
+    settings as run_decode (CUDA graphs where available; masks are applied outside the graphs). Off and
+    on alternate `--structured-repeats` times per batch size; the best of each is reported (on a shared
+    machine the best run is the least disturbed one)."""
+    from k3.serve.structured import GrammarCompiler, StructuredSpec
+
+    batches = [int(b) for b in args.structured_batches.split(",")]
+    spec = StructuredSpec(thinking=False, response_format={"type": "json_schema",
+                                                           "json_schema": {"schema": STRUCTURED_SCHEMA}})
+    factory = GrammarCompiler(tokenizer).compile(spec, 0)
+    tok = Tokens(tokenizer.base_size, tokenizer.eos_id, args.seed)
+    budget = max(args.prefill_budget, args.decode_context)
+    engine = Engine(model, tokenizer, EngineConfig(
+        memory_budget_bytes=int(min(args.memory_budget_gb, 8.0) * (1 << 30)), page_size=args.page_size,
+        unit_size=args.unit_size, enable_prefix_cache=False, max_running=max(batches),
+        short_prefill_budget=budget, long_prefill_budget=budget,
+        max_model_len=model.config.text_config.max_position_embeddings, kda_backend=args.kda_backend,
+        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
+        paged_mla_decode=paged_mla(args)))
+    rows = []
+    for B in batches:
+        best = {False: 0.0, True: 0.0}
+        for _ in range(args.structured_repeats):
+            for on in (False, True):
+                best[on] = max(best[on], _timed_decode(engine, model, args, tok, B, factory if on else None))
+        for on in (False, True):
+            row = {"workload": "structured", "structured": on, "batch": B, "context": args.decode_context,
+                   "steps": args.decode_steps, "repeats": args.structured_repeats,
+                   "ms_per_step": round(1e3 * B / best[on], 3), "decode_tok_s": round(best[on], 1),
+                   "vocab": tokenizer.vocab_size}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _timed_decode(engine: Engine, model, args: argparse.Namespace, tok: Tokens, B: int, constraint) -> float:
+    """B requests prefilled, then `decode_steps` timed decode steps -> tokens/s."""
+    total = DECODE_WARMUP + args.decode_steps + 1
+    params = SamplingParams(temperature=0, max_tokens=total + 1, ignore_eos=True)
+    ids = [engine.add_request(tok.message(args.decode_context - 1), params, constraint=constraint) for _ in range(B)]
+    started: set[str] = set()
+    while len(started) < B:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    if engine.runner is not None:
+        engine.runner.warmup(B, args.decode_context, args.decode_context + total + 1)
+    for _ in range(DECODE_WARMUP):
+        engine.step()
+    sync(model)
+    t0 = time.perf_counter()
+    for _ in range(args.decode_steps):
+        engine.step()
+    sync(model)
+    wall = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    return B * args.decode_steps / wall
+
+
 def context_range(which: str, args: argparse.Namespace) -> tuple[int, int, int]:
     """(concurrent requests, shortest, longest context in tokens) of a workload's decode steps."""
     if which == "agentic":
@@ -336,9 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = dict(device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                 preset=args.preset, dtype=dtype, compiled=args.compile, mla_decode=args.mla_decode)
     rows, t_start = [], time.perf_counter()
-    if any(w != "decode" for w in args.which.split(",")):
+    if any(w not in ("decode", "structured") for w in args.which.split(",")):
         warm_up(model, args, vocab, eos)
     for which in args.which.split(","):
+        if which == "structured":
+            rows += [dict(r, **meta) for r in run_structured(model, args, bench_tokenizer(args, cfg.text_config.vocab_size))]
+            continue
         if which == "decode":
             modes = args.decode_modes or ("graphs,eager" if device.type == "cuda" else "static,eager")
             for mode in modes.split(","):
@@ -371,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(rows: list[dict]) -> str:
     out = []
-    work = [r for r in rows if r["workload"] != "decode"]
+    work = [r for r in rows if r["workload"] not in ("decode", "structured")]
     if work:
         cols = ["workload", "prefix_cache", "requests", "wall_s", "output_tok_s", "total_tok_s", "ttft_mean_s",
                 "ttft_p90_s", "reusable_served_from_cache", "prefill_forwards", "prefill_s", "decode_forwards",
@@ -399,6 +487,14 @@ def markdown(rows: list[dict]) -> str:
             if ratio and all((b, m) in tab for m in modes):
                 cells.append(f"{tab[(b, modes[0])]['decode_tok_s'] / tab[(b, modes[1])]['decode_tok_s']:.2f}x")
             out.append("| " + " | ".join(cells) + " |")
+    st = {(r["batch"], r["structured"]): r for r in rows if r["workload"] == "structured"}
+    if st:
+        out += ["", "batch decode with structured outputs (JSON schema) on vs off:",
+                "| batch | off tok/s | on tok/s | on / off |", "|---|---|---|---|"]
+        for b in dict.fromkeys(k[0] for k in st):
+            if (b, False) in st and (b, True) in st:
+                off, on = st[(b, False)]["decode_tok_s"], st[(b, True)]["decode_tok_s"]
+                out.append(f"| {b} | {off} | {on} | {on / off:.2f}x |")
     return "\n".join(out)
 
 

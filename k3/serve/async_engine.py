@@ -57,20 +57,35 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str | None = None,
-               checkpoint_positions: Sequence[int] = (), media: Sequence[Any] | None = None) -> "RequestStream":
+               checkpoint_positions: Sequence[int] = (), media: Sequence[Any] | None = None,
+               constraint: Any = None) -> "RequestStream":
         """Queue a request (Overloaded when too many are waiting); iterate the stream for outputs.
         media: image/video tensors for the prompt's media pads (encoded on the engine thread).
+        constraint: factory of a fresh grammar constraint (k3.serve.structured), or None.
         Must be called on the event loop that will consume the stream."""
+        return self.submit_n(prompt_ids, params, 1, request_id=request_id, checkpoint_positions=checkpoint_positions,
+                             media=media, constraint=constraint)[0]
+
+    def submit_n(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, *, request_id: str | None = None,
+                 checkpoint_positions: Sequence[int] = (), media: Sequence[Any] | None = None,
+                 constraint: Any = None) -> list["RequestStream"]:
+        """`n` samples of one prompt (the prompt is computed once; `Engine.add_request` fork_ids): one
+        stream per sample, ids `rid`, `rid-1`, ... `rid-(n-1)`."""
         with self._lock:
             if self.engine.num_waiting + self._pending_adds >= self.engine.config.max_waiting:
                 raise Overloaded(f"{self.engine.config.max_waiting} requests are already waiting")
             self._pending_adds += 1
         rid = request_id or uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._cmds.put(("add", rid, list(prompt_ids), params, tuple(checkpoint_positions), media))
+        rids = [rid] + [f"{rid}-{k}" for k in range(1, n)]
+        loop = asyncio.get_running_loop()
+        streams = []
+        for r in rids:
+            q: asyncio.Queue = asyncio.Queue()
+            self._streams[r] = (loop, q)
+            streams.append(RequestStream(self, r, q))
+        self._cmds.put(("add", rids, list(prompt_ids), params, tuple(checkpoint_positions), media, constraint))
         self._wake.set()
-        return RequestStream(self, rid, q)
+        return streams
 
     def _abort(self, rid: str) -> None:
         self._streams.pop(rid, None)
@@ -97,15 +112,21 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, cps, media = cmd
+                _, rids, ids, params, cps, media, constraint = cmd
                 with self._lock:
                     self._pending_adds -= 1
-                if rid not in self._streams:
+                if not any(r in self._streams for r in rids):
                     continue  # the caller already left
                 try:
-                    self.engine.add_request(ids, params, request_id=rid, checkpoint_positions=cps, media=media)
+                    self.engine.add_request(ids, params, request_id=rids[0], checkpoint_positions=cps, media=media,
+                                            fork_ids=rids[1:], constraint=constraint)
                 except (ValueError, KeyError) as e:
-                    self._deliver(rid, ValueError(str(e)))
+                    for r in rids:
+                        self._deliver(r, ValueError(str(e)))
+                    continue
+                for r in rids:  # a stream closed before its request existed
+                    if r not in self._streams and self.engine.abort(r):
+                        self.aborted += 1
             elif cmd[0] == "abort":
                 if self.engine.abort(cmd[1]):
                     self.aborted += 1

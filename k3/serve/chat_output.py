@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from k3.chat import StreamingParser
+from k3.chat.xtml import MARKERS
 from k3.serve.engine import RequestOutput
 
 
@@ -45,14 +46,19 @@ class ChatAssembler:
     """Feeds output tokens to the parser; builds deltas, chunks and the final message."""
 
     def __init__(self, tokenizer: Any, *, model: str, thinking: bool, forced_prefix: list[int], want_logprobs: bool,
-                 close_ids: list[int] = ()) -> None:
+                 close_ids: list[int] = (), index: int = 0, response_id: str | None = None,
+                 created: int | None = None, skip_special_tokens: bool = True) -> None:
         """forced_prefix: prompt tokens that already opened a tool call (named tool_choice); close_ids:
-        tokens that close it, fed at the end if the model did not, so the forced call is always emitted."""
-        self.tok, self.model = tokenizer, model
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        tokens that close it, fed at the end if the model did not, so the forced call is always emitted.
+        index: the choice index (n > 1); response_id / created: shared by the choices of one response.
+        skip_special_tokens: special ids other than the XTML markers never reach the text."""
+        self.tok, self.model, self.index = tokenizer, model, index
+        self.id = response_id or f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = created or int(time.time())
         self.parser = StreamingParser(tokenizer, start="think" if thinking else "response",
                                       tool_call_id=new_tool_call_id)
+        self.markers = {tokenizer.special_id(m) for m in MARKERS}
+        self.skip_special = skip_special_tokens
         if forced_prefix:
             self.parser.feed_ids(forced_prefix)  # named tool choice: the call header is part of the prompt
         self.want_logprobs = want_logprobs
@@ -62,8 +68,11 @@ class ChatAssembler:
         self.usage: dict | None = None
 
     # ---- shared --------------------------------------------------------------------------------------
-    def _deltas(self, out: RequestOutput) -> list[dict]:
-        events = self.parser.feed_ids(out.new_token_ids)
+    def deltas(self, out: RequestOutput) -> list[dict]:
+        ids = out.new_token_ids
+        if self.skip_special:
+            ids = [t for t in ids if t in self.markers or not self.tok.is_special(t)]
+        events = self.parser.feed_ids(ids)
         if out.finished:
             forced = bool(self.close_ids) and not self.parser.result()["tool_calls"]
             if forced and not self.parser.done:
@@ -93,14 +102,14 @@ class ChatAssembler:
     # ---- streaming -----------------------------------------------------------------------------------
     def chunk(self, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                "choices": [{"index": self.index, "delta": delta, "finish_reason": finish_reason,
                              "logprobs": {"content": logprobs} if logprobs is not None else None}]}
 
-    def first_chunk(self) -> dict:
+    def first_chunk(self) -> dict | None:
         return self.chunk({"role": "assistant", "content": ""})
 
     def stream_chunks(self, out: RequestOutput) -> list[dict]:
-        deltas = self._deltas(out)
+        deltas = self.deltas(out)
         lp = chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs) if self.want_logprobs else None
         chunks = [self.chunk(d) for d in deltas]
         if lp:
@@ -118,31 +127,54 @@ class ChatAssembler:
 
     # ---- non-streaming -------------------------------------------------------------------------------
     def add(self, out: RequestOutput) -> None:
-        self._deltas(out)
+        self.deltas(out)
         if self.want_logprobs:
             self.logprobs += chat_logprobs(self.tok, out.new_token_ids, out.new_logprobs)
 
-    def response(self) -> dict:
+    def choice(self) -> dict:
+        """The non-streaming choice; reasoning fields are omitted (not "") when there is no reasoning."""
         r = self.parser.result()
         content = r["content"] if r["content"] or not r["tool_calls"] else None  # null beside tool calls
-        msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": r["reasoning_content"],
-                               "reasoning": r["reasoning_content"]}
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if r["reasoning_content"]:
+            msg["reasoning_content"] = msg["reasoning"] = r["reasoning_content"]
         if r["tool_calls"]:
             msg["tool_calls"] = r["tool_calls"]
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": msg, "finish_reason": self.finish_reason,
-                             "logprobs": {"content": self.logprobs} if self.want_logprobs else None}],
-                "usage": self.usage}
+        return {"index": self.index, "message": msg, "finish_reason": self.finish_reason,
+                "logprobs": {"content": self.logprobs} if self.want_logprobs else None}
+
+    def response(self) -> dict:
+        return merged_response([self], "chat.completion")
+
+
+def merged_usage(asms: list[Any], prompts: int = 1) -> dict[str, Any]:
+    """Usage of a response with several choices: each prompt counted once (choices come in groups of
+    len(asms) // prompts samples per prompt), completion tokens summed."""
+    per = max(1, len(asms) // prompts)
+    firsts = [a.usage for a in asms[::per]]
+    comp = sum(a.usage["completion_tokens"] for a in asms)
+    return usage(sum(u["prompt_tokens"] for u in firsts), comp,
+                 sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts))
+
+
+def merged_response(asms: list[Any], obj: str, prompts: int = 1) -> dict:
+    """The non-streaming body of finished assemblers (one per choice, in choice order)."""
+    a = asms[0]
+    return {"id": a.id, "object": obj, "created": a.created, "model": a.model,
+            "choices": [x.choice() for x in asms], "usage": merged_usage(asms, prompts)}
 
 
 class CompletionAssembler:
     """Plain-text completions (/v1/completions)."""
 
-    def __init__(self, tokenizer: Any, *, model: str, logprobs: int | None) -> None:
-        self.tok, self.model, self.want = tokenizer, model, logprobs
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.text = ""
+    def __init__(self, tokenizer: Any, *, model: str, logprobs: int | None, index: int = 0,
+                 response_id: str | None = None, created: int | None = None, echo: str = "") -> None:
+        """echo: the prompt text, put in front of the completion (first chunk when streaming)."""
+        self.tok, self.model, self.want, self.index = tokenizer, model, logprobs, index
+        self.id = response_id or f"cmpl-{uuid.uuid4().hex}"
+        self.created = created or int(time.time())
+        self.echo = echo
+        self.text = echo
         self.lp: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -172,7 +204,10 @@ class CompletionAssembler:
 
     def chunk(self, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def first_chunk(self) -> dict | None:
+        return self.chunk(self.echo, None, None) if self.echo else None
 
     def stream_chunks(self, out: RequestOutput) -> list[dict]:
         lp = self.add(out)
@@ -187,7 +222,9 @@ class CompletionAssembler:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [], "usage": self.usage}
 
+    def choice(self) -> dict:
+        return {"index": self.index, "text": self.text, "logprobs": self.lp if self.want is not None else None,
+                "finish_reason": self.finish_reason}
+
     def response(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": self.text, "logprobs": self.lp if self.want is not None else None,
-                             "finish_reason": self.finish_reason}], "usage": self.usage}
+        return merged_response([self], "text_completion")

@@ -17,18 +17,19 @@ from __future__ import annotations
 import importlib.util
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import torch
 
 from k3.ops import to_device_async
 from k3.serve.cache_manager import BlockPool, CacheLayout, PagedBatchCache
+from k3.serve.logits import make_adjust
 from k3.serve.media import MediaPrefixHasher, check_media_pad, encode_request_media, prefill_embeds, vision_config_of
 from k3.serve.metrics import EngineMetrics
 from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
-from k3.serve.sampling import Detokenizer, SamplingParams, make_rng, sample_batch
+from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
 from k3.serve.speculative import SpeculativeDecoder
 
@@ -211,10 +212,15 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, checkpoint_positions: Sequence[int] = (),
-                    media: Sequence[torch.Tensor] | None = None) -> str:
+                    media: Sequence[torch.Tensor] | None = None, fork_ids: Sequence[str] = (),
+                    constraint: Callable[[], Any] | None = None) -> str:
         """Queue a request. checkpoint_positions: extra prompt positions worth a KDA checkpoint.
         media: images [3, H, W] / videos [T, 3, H, W] (normalised floats) for the prompt's
-        `<|media_pad|>` runs, in order; encoded here, once (see k3.serve.media)."""
+        `<|media_pad|>` runs, in order; encoded here, once (see k3.serve.media).
+        fork_ids: ids of sibling requests with the same prompt (n > 1): they fork this request's cache
+        once its prompt is computed (`Scheduler.fork`; prefilled once) and sample independently (a
+        seeded request's k-th sibling uses seed + k); if this request is aborted before the fork, they
+        are queued on their own. constraint: a factory of a fresh grammar constraint per request (`k3.serve.structured`)."""
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_ids]
         if any(not 0 <= t < self.vocab_limit for t in ids):
@@ -229,16 +235,38 @@ class Engine:
                 encoded = encode_request_media(self.model, media, ids, self.media_pad_id, self.device, self.dtype)
         req = Request(
             request_id=rid, tokens=ids, params=params, arrival=time.time(), rng=make_rng(params),
-            detok=Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else _NullDetok(),
+            detok=(Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+                   if self.tokenizer is not None else NullDetokenizer()),
             long=len(ids) > self.config.long_prompt_threshold, max_sampled=params.max_tokens,
             extra_checkpoints=tuple(int(p) for p in checkpoint_positions), media=encoded,
         )
         req.hasher = (PrefixHasher(req.tokens, self.config.unit_size) if encoded is None
                       else MediaPrefixHasher(req.tokens, self.config.unit_size, encoded.spans))
+        req.constraint = constraint() if constraint is not None else None
+        for k, cid in enumerate(fork_ids, 1):
+            if cid in self.requests or cid == rid:
+                raise ValueError(f"request_id {cid!r} is already in use")
+            req.forks.append(self._sibling(req, cid, k, constraint))
         self.requests[rid] = req
+        for child in req.forks:
+            self.requests[child.request_id] = child
         self.scheduler.add(req)
-        self.metrics.requests_added += 1
+        self.metrics.requests_added += 1 + len(req.forks)
         return rid
+
+    def _sibling(self, req: Request, rid: str, k: int, constraint: Callable[[], Any] | None) -> Request:
+        """The k-th sibling of an n > 1 request: same prompt, own sampler state; status "forking"."""
+        p = req.params
+        params = p if p.seed is None else replace(p, seed=p.seed + k)
+        child = Request(request_id=rid, tokens=list(req.tokens), params=params, arrival=req.arrival,
+                        rng=make_rng(params), detok=Detokenizer(self.tokenizer, p.stop, p.skip_special_tokens)
+                        if self.tokenizer is not None else NullDetokenizer(),
+                        long=req.long, max_sampled=req.max_sampled, media=req.media)
+        child.status = "forking"
+        child.hasher = (PrefixHasher(child.tokens, self.config.unit_size) if req.media is None
+                        else MediaPrefixHasher(child.tokens, self.config.unit_size, req.media.spans))
+        child.constraint = constraint() if constraint is not None else None
+        return child
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request and free its cache. False when it is unknown or already finished."""
@@ -248,6 +276,10 @@ class Engine:
         self.scheduler.remove(req)
         req.status, req.finish_reason = "finished", "abort"
         self.metrics.on_finish(req)
+        for child in req.forks:  # siblings not forked yet go on alone (prefilling from the prefix cache)
+            if child.status == "forking":
+                self.scheduler.add(child)
+        req.forks = []
         return True
 
     def pause(self, request_id: str) -> None:
@@ -314,19 +346,44 @@ class Engine:
         try:
             logits_rows = self._forward(batch, decode=decode)
         except Exception as e:  # a failed forward fails its requests, never the engine
-            for r in reqs:
+            failed = reqs + [c for r in reqs for c in r.forks if c.status == "forking"]
+            for r in failed:
                 self._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
-            return reqs
+                r.forks = []
+            return failed
         sample_reqs = [r for r in reqs if r.pending == 0]
         for r, n in batch:
             if not decode and self.prefix is not None and r.num_computed in r.plan.positions:
                 self.scheduler.save_checkpoint(r)
+        rows = [reqs.index(r) for r in sample_reqs]
+        for r in list(sample_reqs):
+            for child in self._fork(r):
+                sample_reqs.append(child)
+                rows.append(reqs.index(r))
+                reqs.append(child)
         if sample_reqs:
-            logits = logits_rows[[reqs.index(r) for r in sample_reqs]]
-            res = sample_batch(logits, [r.params for r in sample_reqs], [r.rng for r in sample_reqs], self.vocab_limit)
+            logits = logits_rows[rows]
+            res = sample_batch(logits, [r.params for r in sample_reqs], [r.rng for r in sample_reqs], self.vocab_limit,
+                               adjust=make_adjust(sample_reqs, self.eos_id))
             for i, r in enumerate(sample_reqs):
                 self._on_token(r, res.token_ids[i], res.logprobs[i], res.top[i])
         return reqs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Siblings that share `parent`'s just-computed prompt (n > 1): forked ones sample from its logits
+        row this step; any that did not fit (memory, running limit) wait and prefill on their own,
+        usually from the prefix cache."""
+        forked = []
+        for child in parent.forks:
+            if child.status != "forking":  # aborted meanwhile
+                continue
+            if self.scheduler.fork(parent, child):
+                self.metrics.forked_requests += 1
+                forked.append(child)
+            else:
+                self.scheduler.add(child)
+        parent.forks = []
+        return forked
 
     def _forward(self, batch: list[tuple[Request, int]], *, decode: bool) -> torch.Tensor:
         """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
@@ -371,6 +428,8 @@ class Engine:
         """Record one sampled token; returns the finish reason it causes (the caller finishes the
         request: the verify path first rolls its state back to the accepted position)."""
         now = time.time()
+        if req.constraint is not None:
+            req.constraint.accept(tok)
         req.tokens.append(tok)
         req.out_ids.append(tok)
         req.out_logprobs.append((lp, top))
@@ -450,20 +509,3 @@ class Engine:
                      prefix_saved=ps.saved, prefix_evicted=ps.evicted,
                      prefix_token_hit_rate=ps.hit_tokens / ps.query_tokens if ps.query_tokens else 0.0)
         return s
-
-
-class _NullDetok:
-    """Detokenizer stand-in without a tokenizer: ids only, no text, no stop strings."""
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.released = 0
-
-    def add(self, token_id: int) -> bool:
-        self.ids.append(token_id)
-        return False
-
-    def release(self, final: bool) -> tuple[list[int], str]:
-        out = self.ids[self.released:]
-        self.released = len(self.ids)
-        return out, ""

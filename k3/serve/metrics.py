@@ -11,6 +11,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 @dataclass
 class EngineMetrics:
     requests_added: int = 0
+    forked_requests: int = 0  # n > 1 siblings that took a copy of a computed prompt (no prefill of their own)
     steps: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
@@ -57,7 +58,7 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, Any]:
         return {
-            "requests_added": self.requests_added, "steps": self.steps,
+            "requests_added": self.requests_added, "forked_requests": self.forked_requests, "steps": self.steps,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "generated_tokens": self.generated_tokens, "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens, "finished": dict(self.finished),
@@ -75,6 +76,7 @@ class EngineMetrics:
 
 _HELP = {
     "requests_added": ("counter", "Requests submitted to the engine"),
+    "forked_requests": ("counter", "n > 1 siblings that forked a computed prompt instead of prefilling it"),
     "steps": ("counter", "Engine steps run"),
     "prefill_forwards": ("counter", "Prefill forwards (one packed batch of prompt chunks each)"),
     "decode_forwards": ("counter", "Decode forwards (one token for each running request)"),

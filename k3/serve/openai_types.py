@@ -17,6 +17,8 @@ from k3.serve.sampling import MAX_LOGPROBS, SamplingParams
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 100_000
+MAX_N = 128
+MAX_LOGIT_BIAS = 1024
 EFFORTS = ("low", "medium", "high", "max")
 
 
@@ -110,14 +112,24 @@ def get_stop_ids(body: dict, vocab: int) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _unsupported_zero(body: dict, name: str) -> None:
-    v = body.get(name)
+def get_logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    v = body.get("logit_bias")
     if v is None:
-        return
-    if not _is_num(v):
-        raise bad(name, "must be a number", "invalid_type")
-    if v != 0:
-        raise bad(name, "is not supported by this server (only 0)", "unsupported_parameter")
+        return {}
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} {{token id: bias}} entries")
+    out = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"keys must be token ids, got {k!r}") from None
+        if not 0 <= t < vocab:
+            raise bad("logit_bias", f"token id {t} is not in [0, {vocab})")
+        if not _is_num(b) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"bias of token {t} must be a number in [-100, 100]")
+        out[t] = float(b)
+    return out
 
 
 @dataclass
@@ -135,24 +147,27 @@ class CommonParams:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
                               seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                              min_tokens=min(self.min_tokens, max_tokens),
+                              skip_special_tokens=self.skip_special_tokens)
 
 
 def parse_common(body: Any, vocab: int) -> CommonParams:
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
     model = get_str(body, "model", required=True)
-    n = get_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise bad("n", "only n = 1 is supported", "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _unsupported_zero(body, name)
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias", "is not supported by this server", "unsupported_parameter")
+    n = get_int(body, "n", 1, MAX_N) or 1
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
         raise bad("stream_options", "must be an object", "invalid_type")
@@ -171,7 +186,11 @@ def parse_common(body: Any, vocab: int) -> CommonParams:
         temperature=1.0 if temperature is None else temperature,
         top_p=get_num(body, "top_p", 0.0, 1.0, lo_open=True) or 1.0, top_k=top_k or 0,
         seed=get_int(body, "seed", -(2**63), 2**64), stop=get_stop(body), stop_token_ids=get_stop_ids(body, vocab),
-        ignore_eos=get_bool(body, "ignore_eos", False),
+        ignore_eos=get_bool(body, "ignore_eos", False), n=n,
+        presence_penalty=get_num(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=get_num(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        logit_bias=get_logit_bias(body, vocab), min_tokens=get_int(body, "min_tokens", 0) or 0,
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
     )
 
 
@@ -189,7 +208,7 @@ class ChatRequest:
     effort: str
     response_format: Any
     logprobs: int | None  # None = off, else top_logprobs count
-    extra: dict = field(default_factory=dict)
+    parallel_tool_calls: bool = True
 
 
 MEDIA_PARTS = ("image_url", "image", "video_url", "video")
@@ -391,7 +410,8 @@ def parse_chat(body: Any, vocab: int, *, vision: bool = False) -> ChatRequest:
         raise bad("top_logprobs", "needs logprobs = true")
     return ChatRequest(common=common, messages=messages, tools=tools,
                        tool_choice=tc if isinstance(tc, str) else None, named_tool=named, thinking=thinking,
-                       effort=effort or "max", response_format=rf, logprobs=(top or 0) if lp else None)
+                       effort=effort or "max", response_format=rf, logprobs=(top or 0) if lp else None,
+                       parallel_tool_calls=get_bool(body, "parallel_tool_calls", True))
 
 
 # ---------------------------------------------------------------------------------------------- completions
@@ -399,29 +419,49 @@ def parse_chat(body: Any, vocab: int, *, vision: bool = False) -> ChatRequest:
 
 @dataclass
 class CompletionRequest:
+    """prompts: a batch (one or more) of strings or token-id lists; choice i*n + j is sample j of prompt i."""
+
     common: CommonParams
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     logprobs: int | None
+    echo: bool = False
+
+
+MAX_PROMPTS = 64
+
+
+def _prompt_list(p: Any, vocab: int) -> list[str | list[int]]:
+    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+        p = [p]
+    if not isinstance(p, list) or not p:
+        raise bad("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    if len(p) > MAX_PROMPTS:
+        raise bad("prompt", f"a batch holds at most {MAX_PROMPTS} prompts")
+    for k, q in enumerate(p):
+        where = "prompt" if len(p) == 1 else f"prompt[{k}]"
+        if isinstance(q, str):
+            if not q:
+                raise bad(where, "must not be empty")
+        elif isinstance(q, list):
+            if not q or any(not _is_int(t) or not 0 <= t < vocab for t in q):
+                raise bad(where, f"a token-id prompt must be a non-empty list of integers in [0, {vocab})")
+        else:
+            raise bad(where, "each prompt must be a string or a list of token ids")
+    return p
 
 
 def parse_completion(body: Any, vocab: int) -> CompletionRequest:
     common = parse_common(body, vocab)
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
-    if isinstance(p, str):
-        if not p:
-            raise bad("prompt", "must not be empty")
-    elif isinstance(p, list):
-        if not p or any(not _is_int(t) or not 0 <= t < vocab for t in p):
-            raise bad("prompt", f"a token-id prompt must be a non-empty list of integers in [0, {vocab})")
-    else:
-        raise bad("prompt", "must be a string or a list of token ids (batches of more than one are not supported)")
-    if get_bool(body, "echo", False):
-        raise bad("echo", "echo = true is not supported", "unsupported_parameter")
+    prompts = _prompt_list(body.get("prompt"), vocab)
     if body.get("suffix"):
         raise bad("suffix", "is not supported", "unsupported_parameter")
     best_of = get_int(body, "best_of", 1)
-    if best_of not in (None, 1):
-        raise bad("best_of", "only best_of = 1 is supported", "unsupported_parameter")
-    return CompletionRequest(common=common, prompt=p, logprobs=get_int(body, "logprobs", 0, 5))
+    if best_of not in (None, 1, common.n):
+        raise bad("best_of", "only best_of = 1 (or = n) is supported", "unsupported_parameter")
+    if len(prompts) * common.n > MAX_N:
+        raise bad("n", f"prompts x n must be at most {MAX_N}")
+    echo = get_bool(body, "echo", False)
+    logprobs = get_int(body, "logprobs", 0, 5)
+    if echo and logprobs is not None:
+        raise bad("echo", "echo together with logprobs (prompt logprobs) is not supported", "unsupported_parameter")
+    return CompletionRequest(common=common, prompts=prompts, logprobs=logprobs, echo=echo)

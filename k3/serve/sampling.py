@@ -11,7 +11,7 @@ from __future__ import annotations
 import codecs
 import random
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,10 @@ class SamplingParams:
     stop: strings that end generation (excluded from the returned text); stop_token_ids: ids that
     end generation (kept in token_ids, excluded from text); the tokenizer's stop id is added unless
     ignore_eos. logprobs: None = off, n >= 0 = the chosen token's logprob plus the top n.
+    presence_penalty / frequency_penalty in [-2, 2] (OpenAI semantics, over the output tokens so far):
+    logit -= presence * [count > 0] + frequency * count. logit_bias: {token id: bias in [-100, 100]}
+    added to the logits. min_tokens: the stop ids are masked until this many tokens were sampled.
+    skip_special_tokens: special (reserved, control) tokens are left out of the returned text.
     """
 
     temperature: float = 1.0
@@ -36,6 +40,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name in ("top_k", "max_tokens", "seed", "logprobs"):
@@ -57,10 +66,24 @@ class SamplingParams:
             raise ValueError("stop must hold non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when sampling needs this request's logits changed (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
 
 
 def make_rng(params: SamplingParams) -> random.Random:
@@ -78,22 +101,26 @@ class SampleResult:
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: Sequence[random.Random],
-                 vocab_limit: int | None = None) -> SampleResult:
+                 vocab_limit: int | None = None,
+                 adjust: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
     """logits [N, vocab] (any float dtype) -> one token per row, rows sampled with their own params.
 
     vocab_limit: ids >= vocab_limit are never sampled (the tokenizer may be smaller than the model).
+    adjust: float32 logits [N, vocab] -> the logits to sample from (penalties, biases, grammar masks;
+    see `LogitsAdjuster`); logprobs stay those of the model.
     """
     n = logits.shape[0]
     logits = limit_vocab(logits, vocab_limit)
+    pick_from = adjust(logits) if adjust is not None else logits
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if greedy:
         g = torch.tensor(greedy, device=logits.device)
-        out[g] = logits[g].argmax(-1)
+        out[g] = pick_from[g].argmax(-1)
     if sampled:
         s = torch.tensor(sampled, device=logits.device)
-        out[s] = _sample_rows(logits[s], [params[i] for i in sampled], [rngs[i] for i in sampled])
+        out[s] = _sample_rows(pick_from[s], [params[i] for i in sampled], [rngs[i] for i in sampled])
     lps, tops = token_logprobs(logits, out, params)
     return SampleResult(out.tolist(), lps, tops)
 
@@ -178,7 +205,8 @@ def _sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
 class Detokenizer:
     """Incremental detokenisation of one request's output with stop strings.
 
-    Text is the UTF-8 decoding of the tokens' bytes (special tokens as their names). Tokens are
+    Text is the UTF-8 decoding of the tokens' bytes (special tokens as their names, or nothing with
+    skip_special). Tokens are
     released in order once no stop string can still start inside their text; when a stop string
     matches, the output ends at the last token that lies wholly before it and `text` is cut
     exactly at the match.
@@ -186,6 +214,7 @@ class Detokenizer:
 
     tokenizer: Any
     stop: tuple[str, ...] = ()
+    skip_special: bool = False  # special tokens add no text (they stay in the ids)
     ids: list[int] = field(default_factory=list)
     text: str = ""
     char_end: list[int] = field(default_factory=list)  # len(text) after each token
@@ -195,12 +224,15 @@ class Detokenizer:
     def __post_init__(self) -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        # a tokenizer without special tokens (no is_special) has nothing to skip
+        self._is_special = getattr(self.tokenizer, "is_special", None) if self.skip_special else None
         self._searched = 0
 
     def add(self, token_id: int) -> bool:
         """Append one token; returns True when a stop string matched."""
         self.ids.append(token_id)
-        self.text += self._dec.decode(self.tokenizer.token_bytes(token_id))
+        if self._is_special is None or not self._is_special(token_id):
+            self.text += self._dec.decode(self.tokenizer.token_bytes(token_id))
         self.char_end.append(len(self.text))
         if self.stop:
             start = max(0, self._searched - self._hold)
@@ -232,3 +264,20 @@ class Detokenizer:
         end_chr = max(end_chr, start_chr)
         self.released = upto
         return self.ids[start_tok:upto], self.text[start_chr:end_chr]
+
+
+class NullDetokenizer:
+    """Detokenizer stand-in without a tokenizer: ids only, no text, no stop strings."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.released = 0
+
+    def add(self, token_id: int) -> bool:
+        self.ids.append(token_id)
+        return False
+
+    def release(self, final: bool) -> tuple[list[int], str]:
+        out = self.ids[self.released:]
+        self.released = len(self.ids)
+        return out, ""

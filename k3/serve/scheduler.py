@@ -71,6 +71,8 @@ class Request:
     error: str | None = None
     hasher: PrefixHasher | None = None
     media: Any = None  # k3.serve.media.RequestMedia: encoded media rows and their prompt positions
+    constraint: Any = None  # k3.serve.structured.GrammarConstraint: masks what may be sampled next
+    forks: list["Request"] = field(default_factory=list)  # n > 1: siblings that fork at the first sample
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -187,6 +189,29 @@ class Scheduler:
         pages = req.pages[: self.layout.pages_for(pos)]
         self.pool.incref(pages)
         return self.prefix.insert(key, h.anchor(pos // h.unit), pos, blocks, pages)
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give `child` a copy of `parent`'s cache state (its prompt computed once): a copied KDA slot
+        and the parent's pages shared copy-on-write. Never evicts running work: False (nothing
+        taken) when the running set is full or no block is free even after evicting checkpoints."""
+        if len(self.running) >= self.cfg.max_running or parent.slot is None:
+            return False
+        try:
+            slot = self._alloc(self.layout.slot_blocks)
+        except OutOfBlocks:
+            return False
+        self.pool.copy_blocks(parent.slot, slot)
+        child.pages = list(parent.pages[: self.layout.pages_for(parent.num_computed)])
+        self.pool.incref(child.pages)
+        child.slot, child.num_computed, child.shared_pages = slot, parent.num_computed, len(child.pages)
+        # the page both write next (if partly filled) is shared now: each copies it before writing
+        parent.shared_pages = max(parent.shared_pages, len(child.pages))
+        child.cached_tokens = parent.cached_tokens
+        self._admit_counter += 1
+        child.admit_seq = self._admit_counter
+        child.status = "running"
+        self.running.append(child)
+        return True
 
     def preempt(self, req: Request) -> None:
         """Stop a running request and requeue it at the front; its state is donated to the cache."""

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from k3.serve.cache_manager import PagedBatchCache
+from k3.serve.logits import needs_adjust
 from k3.serve.sampling import SamplingParams, limit_vocab, sample_from, target_probs, token_logprobs
 
 if TYPE_CHECKING:
@@ -157,7 +158,8 @@ class SpeculativeDecoder:
         plain, drafted = [], []
         for r in decode:
             room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
-            d = self.proposer.propose(self._tokens(r), room) if r.slot is not None and r.pending == 1 else []
+            plain_only = r.slot is None or r.pending != 1 or needs_adjust(r)  # adjusted logits: no drafts
+            d = [] if plain_only else self.proposer.propose(self._tokens(r), room)
             if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
                 drafted.append((r, d))
             else:

@@ -43,8 +43,8 @@ def _wrong_values() -> dict[str, list]:
         "max_tokens": [-1, 0, -10**20, 10**9, 10**30, 1.5, "5", True], "max_completion_tokens": [-5, 0, "x", 10**12],
         "stream": ["yes", 1, {}], "stream_options": [[], "x", {"include_usage": "yes"}], "stop": [5, [1, 2], [""] * 3,
                                                                                                 ["a"] * 40, MB],
-        "n": [0, 5, "2"], "seed": ["x", 1.5, [1]], "logprobs": ["x", 3], "top_logprobs": [100, -1, "x"],
-        "presence_penalty": [1.0, "x"], "frequency_penalty": [-2.0], "logit_bias": [{"1": 5}],
+        "n": [0, 500, "2"], "seed": ["x", 1.5, [1]], "logprobs": ["x", 3], "top_logprobs": [100, -1, "x"],
+        "presence_penalty": [3.0, "x"], "frequency_penalty": [-2.5], "logit_bias": [{"x": 5}, {"1": 500}, [1]],
         "tools": ["x", 5, [1], [{"type": "function"}], [{"type": "function", "function": {"name": 5}}],
                   [{"type": "function", "function": {"name": "f", "parameters": "x"}}]],
         "tool_choice": [5, "sometimes", {"type": "function"}, {"type": "function", "function": {"name": "nope"}},
@@ -97,15 +97,15 @@ def _deep_tools() -> bytes:
 
 
 def _completions() -> list[dict]:
-    prompts = [None, 5, [], [-1], [10**9], [1.5], ["a", "b"], {"a": 1}, "", [[1], [2]], MB, True]
+    prompts = [None, 5, [], [-1], [10**9], [1.5], ["a", 5], {"a": 1}, "", [[1], []], MB, True, ["x"] * 100]
     out = [{"model": MODEL, "prompt": p, "max_tokens": 2} for p in prompts]
     shared = ("temperature", "top_p", "top_k", "max_tokens", "stream", "stream_options", "stop", "n", "seed",
               "presence_penalty", "logit_bias", "stop_token_ids", "model")
     out += [{"model": MODEL, "prompt": "x", "max_tokens": 2, k: v} for k, vs in _wrong_values().items() if k in shared
             for v in vs]
     out += [{"model": MODEL, "prompt": "x", **kv} for kv in (
-        {"echo": True}, {"suffix": "s"}, {"best_of": 3}, {"logprobs": 10}, {"logprobs": -1}, {"max_tokens": -3},
-        {"max_tokens": 10**8}, {"n": 3}, {"temperature": 9}, {"model": "gpt-4"}, {"stop": {"a": 1}})]
+        {"echo": True, "logprobs": 1}, {"suffix": "s"}, {"best_of": 3}, {"logprobs": 10}, {"logprobs": -1}, {"max_tokens": -3},
+        {"max_tokens": 10**8}, {"n": 300}, {"temperature": 9}, {"model": "gpt-4"}, {"stop": {"a": 1}})]
     return out
 
 

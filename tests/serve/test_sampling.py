@@ -85,7 +85,8 @@ def test_stop_token_ids_and_max_tokens(make_engine, tokenizer):
     assert free.finish_reason == "length" and len(free.token_ids) == 6
     stop_at = free.token_ids[3]
     k = free.token_ids.index(stop_at)
-    out = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_at,)))[0]
+    out = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=6, stop_token_ids=(stop_at,),
+                                                          skip_special_tokens=False))[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: k + 1]
     assert out.text == tokenizer.decode(free.token_ids[:k])  # the stop id is in the ids, not the text
 
@@ -93,10 +94,11 @@ def test_stop_token_ids_and_max_tokens(make_engine, tokenizer):
 def test_stop_strings_in_the_engine(make_engine, tokenizer):
     rng = random.Random(5)
     prompt = random_prompt(rng, 10, tokenizer.base_size)
-    free = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    keep = dict(skip_special_tokens=False)  # compare with tokenizer.decode, which names special tokens
+    free = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **keep))[0]
     stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
     cut = free.text.index(stop)
-    out = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop=(stop,)))[0]
+    out = make_engine().generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop=(stop,), **keep))[0]
     assert out.finish_reason == "stop" and out.text == free.text[:cut]
     assert tokenizer.decode(out.token_ids) == free.text[: len(tokenizer.decode(out.token_ids))]
 

@@ -88,11 +88,14 @@ class FakeEngine:
 
     def shutdown(self) -> None: ...
 
-    def submit(self, prompt, params):
+    def submit(self, prompt, params, **kw):
         if self.overloaded:
             raise Overloaded("busy")
         self.submitted.append((list(prompt), params))
         return _Stream(self, self.script, len(prompt), params.max_tokens)
+
+    def submit_n(self, prompt, params, n, **kw):
+        return [self.submit(prompt, params, **kw) for _ in range(n)]
 
 
 @pytest.fixture
@@ -249,7 +252,9 @@ def test_models_health_metrics(server):
     ({"reasoning_effort": "none"}, 400, "reasoning_effort"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, 400, "tool_choice"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ({"presence_penalty": 3}, 400, "presence_penalty"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "a"}]}, 400, None),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0]"),
@@ -275,3 +280,15 @@ def test_overload_bad_json_big_body_and_routes(server):
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
     assert client.get("/nope").json()["error"]["code"] == "not_found"
+
+
+def test_clamp_max_tokens_option(tokenizer):
+    fake = FakeEngine(tokenizer, scripted_reply(tokenizer))
+    app = build_app(fake, tokenizer, ServerConfig(model_names=("k3-test",), clamp_max_tokens=True))
+    with TestClient(app) as client:
+        r = chat(client, max_completion_tokens=10**6)
+        assert r.status_code == 200
+        requested, used = r.headers["x-k3-max-tokens-clamped"].split("->")
+        assert int(requested) == 10**6 and int(used) == fake.submitted[-1][1].max_tokens
+        assert len(fake.submitted[-1][0]) + int(used) == 2048  # the whole context left
+        assert "x-k3-max-tokens-clamped" not in chat(client, max_tokens=5).headers

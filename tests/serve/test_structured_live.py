@@ -1,0 +1,94 @@
+"""Structured outputs through the official `openai` client against a live `k3 serve` with random
+weights: tool_choice required / named always yields schema-valid calls and json_schema output
+validates (grammar-constrained decoding, k3.serve.structured)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 12},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "unit", "days"],
+    "additionalProperties": False}
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "minLength": 1, "maxLength": 16},
+                                           "exact": {"type": "boolean"}}, "required": ["query"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
+         {"type": "function", "function": {"name": "search", "parameters": SEARCH}}]
+# the live tests use short names: the test tokenizer spells tag text almost letter by letter
+W = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 6}, "d": {"type": "integer",
+     "minimum": 1, "maximum": 7}}, "required": ["c", "d"], "additionalProperties": False}
+S = {"type": "object", "properties": {"q": {"type": "string", "minLength": 1, "maxLength": 6}}, "required": ["q"]}
+LIVE_TOOLS = [{"type": "function", "function": {"name": "w", "parameters": W, "strict": True}},
+              {"type": "function", "function": {"name": "s", "parameters": S}}]
+SCHEMAS = {"w": W, "s": S}
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"], "additionalProperties": False}
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def valid_calls(calls) -> None:
+    assert calls, "tool_choice required must yield at least one call"
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("extra,temperature,max_tokens", [(NO_THINK, 0.0, 200), ({}, 1.0, 320)])
+def test_tool_choice_required_yields_valid_calls(client, extra, temperature, max_tokens):
+    # one call (the test tokenizer spells the tag text letter by letter: a call costs ~100-150 tokens;
+    # with thinking, the think channel is closed at max_tokens - min(512, max_tokens // 2))
+    r = client.chat.completions.create(model="k3-tiny", messages=MSGS, tools=LIVE_TOOLS, tool_choice="required",
+                                       max_tokens=max_tokens, temperature=temperature, seed=7, extra_body=extra,
+                                       parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+    valid_calls(r.choices[0].message.tool_calls)
+
+
+def test_named_tool_choice_and_streaming(client):
+    named = {"type": "function", "function": {"name": "w"}}
+    r = client.chat.completions.create(model="k3-tiny", messages=MSGS, tools=LIVE_TOOLS, tool_choice=named,
+                                       max_tokens=200, temperature=1.0, seed=1)
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["w"]
+    valid_calls(calls)
+    stream = client.chat.completions.create(model="k3-tiny", messages=MSGS, tools=LIVE_TOOLS, tool_choice="required",
+                                            max_tokens=200, stream=True, parallel_tool_calls=False,
+                                            extra_body=NO_THINK)
+    name, args, finish = None, "", None
+    for chunk in stream:
+        ch = chunk.choices[0]
+        for d in ch.delta.tool_calls or []:
+            assert d.index == 0  # parallel_tool_calls=False: exactly one call
+            name = d.function.name or name
+            args += d.function.arguments or ""
+        finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+def test_json_schema_output_validates(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for extra in (NO_THINK, {}):
+        r = client.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "a person"}],
+                                           response_format=fmt, max_tokens=200, temperature=1.0, seed=3,
+                                           extra_body=extra)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_bad_schema_is_a_400(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="k3-tiny", messages=MSGS, response_format=fmt, max_tokens=8)
