@@ -71,7 +71,7 @@ def test_on_policy_reduces_to_reinforce():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     loss, m = pg_loss(logp, logp.detach(), torch.tensor([0.5]), torch.ones(1, 2, dtype=torch.bool),
                       torch.zeros(1, 2, dtype=torch.long), PGConfig())
-    assert float(loss) == pytest.approx(-0.5 * (-3.0) / 2)
+    assert loss.item() == pytest.approx(-0.5 * (-3.0) / 2)
     assert m["clip_frac"] == 0 and m["mask_frac"] == 0 and m["mean_ratio"] == pytest.approx(1.0)
 
 
@@ -83,7 +83,7 @@ def test_kl_term():
                       torch.zeros(1, 2, dtype=torch.long), cfg, ref_logp=ref)
     k = math.exp(-0.5) + 0.5 - 1
     assert m["kl"] == pytest.approx(k / 2, rel=1e-6)
-    assert float(loss) == pytest.approx(0.1 * k / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(0.1 * k / 2, rel=1e-6)
     assert float(kl_k3(torch.tensor(0.3), torch.tensor(0.3))) == 0.0
     with pytest.raises(ValueError):
         pg_loss(logp, logp.detach(), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
