@@ -73,7 +73,8 @@ def pg_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.
     """The truncated-IS policy-gradient loss above.
 
     logp [B, T] fp32: log π_θ of the response tokens (differentiable). behaviour_logp [B, T]: log μ.
-    advantages [B]: Â per row (the same for every token of the row). response_mask [B, T] bool: the
+    advantages [B]: Â per row (the same for every token of the row), or [B, T] per token (packed rows
+    holding several attempts carry each attempt's Â on its tokens). response_mask [B, T] bool: the
     model's own tokens (prompt, tool results and padding are False). staleness [B, T] int: s_t.
     ref_logp [B, T] or None: log π_ref (needed when cfg.kl_coef > 0).
     Returns (scalar loss, metrics): clip_frac (tokens whose weight was truncated at C), mask_frac
@@ -81,8 +82,10 @@ def pg_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.
     staleness, kl (mean k3 when a reference is given) — all over response tokens."""
     if not (logp.shape == behaviour_logp.shape == response_mask.shape == staleness.shape):
         raise ValueError("logp, behaviour_logp, response_mask and staleness must have the same [B, T] shape")
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{logp.shape[0]}], got {tuple(advantages.shape)}")
+    if advantages.shape == logp.shape[:1]:
+        advantages = advantages[:, None]
+    elif advantages.shape != logp.shape:
+        raise ValueError(f"advantages must be [B] or [B, T] = {list(logp.shape)}, got {list(advantages.shape)}")
     resp = response_mask.bool()
     n = resp.sum().clamp(min=1).to(logp.dtype)
     log_ratio = (logp.detach() - behaviour_logp).masked_fill(~resp, 0.0)
@@ -91,7 +94,7 @@ def pg_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.
     in_band = (ratio >= 1.0 / cfg.mask_c) & (ratio <= cfg.mask_c)
     fresh = staleness <= cfg.max_staleness
     keep = resp & in_band & fresh
-    coef = torch.where(keep, w * advantages[:, None].to(logp.dtype), torch.zeros_like(w))
+    coef = torch.where(keep, w * advantages.to(logp.dtype), torch.zeros_like(w))
     loss = -(coef * logp).sum() / n
     metrics = _metrics(resp, ratio, keep, fresh, staleness, cfg, n)
     if cfg.kl_coef > 0:
