@@ -9,7 +9,8 @@ import sys
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="RL on generated math / tool-world / code tasks with effort budgets")
     p.add_argument("--base", required=True, help="checkpoint directory (official layout + tokenizer), e.g. k3 sft's final/")
-    p.add_argument("--tasks", default="math,worlds", help="comma-separated subset of math,worlds,code")
+    p.add_argument("--tasks", default="math",
+                   help="comma-separated subset of math,worlds,code (default math: sized for a small model on CPU)")
     p.add_argument("--efforts", default="low,high,max", help="comma-separated subset of low,high,max")
     p.add_argument("--out", default="runs/rl", help="output directory")
     p.add_argument("--max-steps", type=int, default=None)
@@ -23,6 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, help="Muon learning rate")
     p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks per kind")
     p.add_argument("--kl-coef", type=float, default=None, help="KL-to-base coefficient (0 = off)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on CPU)")
+    p.add_argument("--math-partial", type=float, default=None,
+                   help="shaped credit for a wrong integer answer (0 = exact match only; default 0.5)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=run)
 
@@ -33,7 +37,7 @@ def build_config(args: argparse.Namespace):
     from k3.rl.tasks import parse_kinds
 
     cfg = RLConfig(base=args.base, out=args.out, tasks=parse_kinds(args.tasks), efforts=parse_efforts(args.efforts))
-    for key in ("max_steps", "seed", "device", "lr", "eval_tasks"):
+    for key in ("max_steps", "seed", "device", "lr", "eval_tasks", "threads", "math_partial"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     if args.group_size is not None:

@@ -62,6 +62,7 @@ class Judge:
         if n == 0:
             return []
         rubric = self._ask([{"role": "user", "content": RUBRIC_PROMPT.format(task=task)}]) if self.cfg.rubric else ""
+        self._unscored: set[int] = set()
         if n == 2:
             a, b = self._judge(task, candidates, rubric, [0, 1]), self._judge(task, candidates, rubric, [1, 0])
             if (a[0] - a[1]) * (b[0] - b[1]) < 0:
@@ -74,7 +75,14 @@ class Judge:
             order = list(range(n))
             self.rng.shuffle(order)
             scores = self._judge(task, candidates, rubric, order)
-        return verbosity_penalty(scores, [len(c) for c in candidates], self.cfg.beta, self.cfg.adequate)
+        # the verbosity penalty compares judged candidates only; an unscored one keeps the fallback
+        judged = [i for i in range(n) if i not in self._unscored]
+        shaped = verbosity_penalty([scores[i] for i in judged], [len(candidates[i]) for i in judged],
+                                   self.cfg.beta, self.cfg.adequate)
+        out = [self.cfg.fallback] * n
+        for i, v in zip(judged, shaped):
+            out[i] = v
+        return out
 
     def _judge(self, task: str, candidates: Sequence[str], rubric: str, order: list[int]) -> list[float]:
         """One scoring call with shown position k holding candidate order[k] -> scores in [0, 1] in the
@@ -87,6 +95,7 @@ class Judge:
         for k, i in enumerate(order):
             if raw[k] is None:
                 self.stats["malformed"] += 1
+                self._unscored.add(i)
             else:
                 scores[i] = raw[k] / 10.0
         return scores

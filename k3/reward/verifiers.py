@@ -31,10 +31,17 @@ def extract_int(content: str, reasoning: str = "", *, strict: bool = False) -> i
     return None
 
 
-def math_score(answer: int, content: str, reasoning: str = "", *, strict: bool = False) -> float:
-    """1.0 when the extracted integer equals `answer`, else 0.0."""
+def math_score(answer: int, content: str, reasoning: str = "", *, strict: bool = False,
+               partial: float = 0.0) -> float:
+    """1.0 when the extracted integer equals `answer`; otherwise `partial`·1/(1 + |got − answer|) when
+    an integer was given (a shaped reward for models too weak to hit exact answers: closer is better,
+    always below an exact answer), else 0.0. partial = 0 is the plain exact-match verifier."""
     got = extract_int(content, reasoning, strict=strict)
-    return 1.0 if got is not None and got == answer else 0.0
+    if got is None:
+        return 0.0
+    if got == answer:
+        return 1.0
+    return partial / (1.0 + abs(got - answer))
 
 
 @dataclass

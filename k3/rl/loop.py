@@ -38,16 +38,19 @@ class RLConfig:
     """base: checkpoint directory (official layout + tokenizer). tasks / efforts: what to practise.
     train_tasks / eval_tasks: tasks per kind. eval_group: attempts per held-out (task, effort).
     lr / adamw_lr: Muon and AdamW learning rates (constant). micro_batch_tokens: tokens per
-    forward/backward. memory_budget_mb: the engine's cache budget."""
+    forward/backward. memory_budget_mb: the engine's cache budget. math_partial: shaped credit for a
+    wrong integer answer (0 = exact match only; pass rates always count exact answers). threads:
+    torch intra-op threads (None: 1 on CPU, where decode is latency-bound and a loaded machine
+    stalls a second thread; the library default on GPU hosts)."""
 
     base: str = ""
     out: str = "runs/rl"
-    tasks: tuple[str, ...] = ("math", "worlds")
+    tasks: tuple[str, ...] = ("math",)
     efforts: tuple[str, ...] = EFFORTS
     max_steps: int = 40
     seed: int = 0
-    lr: float = 2e-3
-    adamw_lr: float = 1e-4
+    lr: float = 1e-3
+    adamw_lr: float = 3e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     train_tasks: int = 512
@@ -58,10 +61,12 @@ class RLConfig:
     memory_budget_mb: int = 256
     device: str | None = None
     math_levels: tuple[int, ...] = (1, 2)
+    math_partial: float = 0.5
+    threads: int | None = None
     plots: bool = True
     pg: PGConfig = field(default_factory=PGConfig)
     effort: EffortConfig = field(default_factory=EffortConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=8, batch_groups=6))
 
     def validate(self) -> "RLConfig":
         if not self.base:
@@ -90,6 +95,8 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig, resume: bool = False, runner: Any = None) -> None:
         self.cfg = cfg.validate()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.threads is not None or self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads or 1)
         self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
         if resume:
             state_path(self.ckpt_dir)
@@ -106,9 +113,9 @@ class RLTrainer:
             self.ref = K3ForCausalLM.from_pretrained(cfg.base, dtype=torch.float32).to(self.device).eval()
         self.budgets = BudgetTracker()
         self.train_tasks = build_tasks(cfg.tasks, "train", cfg.train_tasks, runner=runner,
-                                       math_levels=cfg.math_levels)
+                                       math_levels=cfg.math_levels, math_partial=cfg.math_partial)
         self.eval_tasks = build_tasks(cfg.tasks, "heldout", cfg.eval_tasks, runner=runner,
-                                      math_levels=cfg.math_levels)
+                                      math_levels=cfg.math_levels, math_partial=cfg.math_partial)
         self.rollouts = RolloutManager(self.engine, self.tok, cfg.rollout, cfg.effort, self.budgets)
         self.step, self.consumed = 0, 0
         self.before: dict[str, float] = {}

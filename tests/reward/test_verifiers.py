@@ -77,3 +77,10 @@ def test_build_tasks_interleaves_and_splits_disjoint():
     held = build_tasks(("math",), "heldout", 3)
     assert not {t.task_id for t in held} & {t.task_id for t in train}
     assert train[0].score({"content": str(train[0].meta["answer"])}, None) == 1.0
+
+
+def test_math_partial_credit():
+    assert math_score(10, "10", partial=0.5) == 1.0
+    assert math_score(10, "12", partial=0.5) == 0.5 / 3
+    assert math_score(10, "no number", partial=0.5) == 0.0
+    assert math_score(10, "12") == 0.0

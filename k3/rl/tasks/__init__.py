@@ -47,13 +47,14 @@ def world_task(name: str, split: str, index: int) -> Task:
 
 
 def build_tasks(kinds: tuple[str, ...], split: str, n: int, *, runner: CodeRunner | None = None,
-                worlds: tuple[str, ...] = (), math_levels: tuple[int, ...] = (1, 2)) -> list[Task]:
+                worlds: tuple[str, ...] = (), math_levels: tuple[int, ...] = (1, 2),
+                math_partial: float = 0.0) -> list[Task]:
     """n tasks per kind, interleaved. "code" needs a sandbox `runner`; `worlds` names extra
     k3.envs.agents worlds mixed into "worlds" (the embedded lookup world is always there)."""
     per_kind: list[list[Task]] = []
     for kind in kinds:
         if kind == "math":
-            per_kind.append(math_tasks(split, n, math_levels))
+            per_kind.append(math_tasks(split, n, math_levels, math_partial))
         elif kind == "code":
             if runner is None:
                 raise ValueError("code tasks need a sandbox (k3.envs.sandbox) to run the unit tests")

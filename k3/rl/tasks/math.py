@@ -39,18 +39,20 @@ def make_problem(seed: int, level: int) -> tuple[str, int, str]:
     return f"What is {expr}?", ans, f"{expr} = {ans}"
 
 
-def math_task(split: str, index: int, level: int) -> Task:
+def math_task(split: str, index: int, level: int, partial: float = 0.0) -> Task:
+    """partial: shaped credit for a wrong integer (k3.reward.verifiers.math_score); pass rate still
+    counts exact answers only (score >= 1)."""
     seed = split_seed(split, index)
     question, answer, thinking = make_problem(seed, level)
 
     def score(msg: dict, env: object = None) -> float:
-        return math_score(answer, msg.get("content") or "", msg.get("reasoning_content") or "")
+        return math_score(answer, msg.get("content") or "", msg.get("reasoning_content") or "", partial=partial)
 
     return Task(task_id=f"math-l{level}-{split}-{index}", kind="math",
                 messages=[{"role": "user", "content": question}], reference=f"{thinking}\n{answer}",
                 score=score, meta={"answer": answer, "level": level})
 
 
-def math_tasks(split: str, n: int, levels: tuple[int, ...] = (1, 2)) -> list[Task]:
+def math_tasks(split: str, n: int, levels: tuple[int, ...] = (1, 2), partial: float = 0.0) -> list[Task]:
     """n tasks cycling through `levels`."""
-    return [math_task(split, i, levels[i % len(levels)]) for i in range(n)]
+    return [math_task(split, i, levels[i % len(levels)], partial) for i in range(n)]
