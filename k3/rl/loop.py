@@ -47,7 +47,7 @@ class RLConfig:
     out: str = "runs/rl"
     tasks: tuple[str, ...] = ("math",)
     efforts: tuple[str, ...] = EFFORTS
-    max_steps: int = 40
+    max_steps: int = 25
     seed: int = 0
     lr: float = 1e-3
     adamw_lr: float = 3e-4
@@ -66,7 +66,8 @@ class RLConfig:
     plots: bool = True
     pg: PGConfig = field(default_factory=PGConfig)
     effort: EffortConfig = field(default_factory=EffortConfig)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=8, batch_groups=6))
+    rollout: RolloutConfig = field(
+        default_factory=lambda: RolloutConfig(group_size=8, batch_groups=6, threshold=0.5))
 
     def validate(self) -> "RLConfig":
         if not self.base:
@@ -126,6 +127,10 @@ class RLTrainer:
         self.progress = Progress(cfg.max_steps)
 
     # ---- task stream ----------------------------------------------------------------------------------
+    def task_stream(self) -> Iterator[tuple[Any, str]]:
+        """The training (task, effort) stream after the groups already consumed (resume), counting."""
+        return self._counted(_skip(self._source(), self.consumed))
+
     def _source(self) -> Iterator[tuple[Any, str]]:
         """Every task at every effort (consecutive groups), tasks reshuffled each epoch (seeded)."""
         epoch = 0
@@ -211,11 +216,11 @@ class RLTrainer:
             self.before = self.evaluate()
             self.log.write({"event": "eval", "when": "before", "step": self.step} | self.before)
             self.progress.message("before: " + _summary(self.before, cfg.efforts))
-        source = self._counted(_skip(self._source(), self.consumed))
+        source = self.task_stream()
         self.progress.t0 = time.perf_counter()
         first = self.step
         while self.step < cfg.max_steps and not stop["flag"]:
-            rec = self._one_step(source)
+            rec = self.rl_step(source)
             self.log.write(rec)
             extra = (f"reward {rec.get('reward', float('nan')):.3f} pass {rec.get('pass_rate', float('nan')):.0%} "
                      f"think " + "/".join(f"{rec.get(f'think_{e}', float('nan')):.0f}" for e in cfg.efforts))
@@ -235,7 +240,8 @@ class RLTrainer:
             self.progress.message(f"plots: {os.path.join(cfg.out, 'rl.png')}")
         return RLResult(cfg.out, self.step, self.before, after)
 
-    def _one_step(self, source: Iterator) -> dict[str, Any]:
+    def rl_step(self, source: Iterator) -> dict[str, Any]:
+        """Collect completed groups from `source`, train on them once; returns the step's metrics."""
         c0 = dict(self.rollouts.counters)
         g0 = self.engine.metrics.generated_tokens
         t0 = time.perf_counter()

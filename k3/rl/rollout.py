@@ -169,7 +169,8 @@ class RolloutManager:
     def _start_group(self, task: Task, effort: str) -> None:
         gid = self.next_gid
         self.next_gid += 1
-        budget = self.budgets.budget(task.task_id, len(self.tok.encode(task.reference)))
+        ref_len = task.budget_tokens if task.budget_tokens is not None else len(self.tok.encode(task.reference))
+        budget = self.budgets.budget(task.task_id, ref_len)
         cap = max_tokens_for(budget, effort, self.effort_cfg)
         ids, _ = render(task.messages, self.tok, task.tools, thinking=self.cfg.thinking, thinking_effort=effort,
                         add_generation_prompt=True)

@@ -19,7 +19,8 @@ class Task:
     messages / tools: the opening conversation (OpenAI format) and tool list (None = no tools).
     reference: a reference assistant output text (its token length estimates the budget).
     score: (assistant message dict, env or None) -> score in [0, 1]; must not raise.
-    make_env: world tasks only: () -> a reset k3.envs Environment (its tools answer the calls)."""
+    make_env: world tasks only: () -> a reset k3.envs Environment (its tools answer the calls).
+    budget_tokens: the task's own answer-length budget; None = the reference's token length."""
 
     task_id: str
     kind: str
@@ -28,6 +29,7 @@ class Task:
     score: Callable[[dict, Any], float]
     tools: list[dict] | None = None
     make_env: Callable[[], Any] | None = None
+    budget_tokens: int | None = None
     meta: dict = field(default_factory=dict)
 
 
