@@ -9,7 +9,7 @@ held-out seeds, G sampled attempts per (task, effort), no partial rollouts, no t
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import random
 import signal
@@ -160,6 +160,11 @@ class RLTrainer:
         return rollout_stats(groups, self.cfg.efforts)
 
     # ---- training ------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def train_step(self, groups: list) -> dict[str, float]:
         """One update on completed groups: returns loss metrics (clip/mask fractions, staleness)."""
         items = attempt_advantages(groups, self.cfg.pg.adv_eps)
@@ -173,11 +178,12 @@ class RLTrainer:
         self.model.train()
         for mb in micro:
             ids = mb.ids.to(self.device)
-            logp = self.model.token_logprobs(ids, cu_seqlens=mb.cu_seqlens)
-            ref = None
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref = self.ref.token_logprobs(ids, cu_seqlens=mb.cu_seqlens)
+            with self._autocast():  # bf16 matmuls on GPU (as k3 train); log-probs come back fp32
+                logp = self.model.token_logprobs(ids, cu_seqlens=mb.cu_seqlens)
+                ref = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref = self.ref.token_logprobs(ids, cu_seqlens=mb.cu_seqlens)
             dev = self.device
             loss, m = pg_loss(logp, mb.behaviour_logp.to(dev), mb.token_advantages.to(dev),
                               mb.response_mask.to(dev), mb.staleness.to(dev), self.cfg.pg, ref)
