@@ -69,8 +69,10 @@ def max_tokens_for(budget: float, effort: str, cfg: EffortConfig) -> int:
 class BudgetTracker:
     """b(x) per task: the task's reference length until `min_samples` correct attempts were seen, then
     the median length of the correct attempts (the spec's "median of correct earlier samples").
-    Only attempts at the largest effort update it, so low-effort brevity cannot shrink the budget
-    the other efforts are measured against."""
+    Only attempts at the largest effort that ended on their own (not cut at the sampling cap) update
+    it: low-effort brevity cannot shrink the budget the other efforts are measured against, and an
+    attempt that ran into its cap says nothing about the length the task needs (counting those lets
+    a model that never stops grow its own budget without bound)."""
 
     def __init__(self, min_samples: int = 4, keep: int = 32, update_effort: str = "max") -> None:
         self.min_samples, self.keep, self.update_effort = min_samples, keep, update_effort
@@ -80,8 +82,8 @@ class BudgetTracker:
         seen = self.lengths.get(task_id, [])
         return float(statistics.median(seen)) if len(seen) >= self.min_samples else float(reference)
 
-    def observe(self, task_id: str, effort: str, correct: bool, length: int) -> None:
-        if correct and effort == self.update_effort:
+    def observe(self, task_id: str, effort: str, correct: bool, length: int, capped: bool = False) -> None:
+        if correct and not capped and effort == self.update_effort:
             seen = self.lengths.setdefault(task_id, [])
             seen.append(int(length))
             del seen[:-self.keep]

@@ -267,7 +267,7 @@ class RolloutManager:
         except Exception:
             a.score = 0.0
         a.reward = effort_reward(a.score, len(gen_ids), a.budget, a.effort, self.effort_cfg)
-        self.budgets.observe(a.task.task_id, a.effort, a.score >= 1.0, len(gen_ids))
+        self.budgets.observe(a.task.task_id, a.effort, a.score >= 1.0, len(gen_ids), capped=len(gen_ids) >= a.cap)
         if a.env is not None:
             a.env.close()
 

@@ -36,6 +36,7 @@ def test_budget_tracker_uses_max_effort_correct_samples():
     for n in (10, 20, 30):
         t.observe("a", "low", True, 1)      # low effort never shrinks the budget
         t.observe("a", "max", False, 1)     # wrong attempts do not count
+        t.observe("a", "max", True, 500, capped=True)  # nor attempts cut at the sampling cap
         t.observe("a", "max", True, n)
     assert t.budget("a", 99) == 20
     assert t.budget("b", 7) == 7
