@@ -45,12 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=None, help="default 4 (CPU) / 8 (GPU)")
     p.add_argument("--batch-groups", type=int, default=None, help="default 4 (CPU) / 32 (GPU)")
     p.add_argument("--min-len", type=int, default=None, help="shortest attempt cap (default 8 CPU / 128 GPU)")
-    p.add_argument("--max-len", type=int, default=None, help="longest attempt cap (default 64 CPU / 4096 GPU)")
+    p.add_argument("--max-len", type=int, default=None, help="longest attempt cap (default 64 CPU / 2048 GPU)")
     p.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index of the caps")
-    p.add_argument("--threshold", type=float, default=0.5, help="partial rollouts: completed fraction that ends a collect")
+    p.add_argument("--threshold", type=float, default=0.5,
+                   help="partial rollouts: completed fraction of the batch that ends a collect")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--memory-budget-mb", type=int, default=None)
+    p.add_argument("--serve-dtype", default=None,
+                   help="engine copy dtype (default bfloat16 on GPU: a bf16 serving copy synced after each "
+                        "update; the CPU default serves the fp32 trainer module itself)")
     p.add_argument("--out", default=None, help="JSON lines file for the results")
     return p.parse_args(argv)
 
@@ -86,11 +90,12 @@ def synthetic_tasks(n: int, caps: list[int]) -> list[Task]:
 def run_mode(args, base: str, partial: bool, gpu: bool) -> dict:
     G = args.group_size or (8 if gpu else 4)
     B = args.batch_groups or (32 if gpu else 4)
-    lo, hi = args.min_len or (128 if gpu else 8), args.max_len or (4096 if gpu else 64)
+    lo, hi = args.min_len or (128 if gpu else 8), args.max_len or (2048 if gpu else 64)
     cfg = RLConfig(base=base, out=tempfile.mkdtemp(prefix="rlbench_"), efforts=("low",), train_tasks=1, eval_tasks=0,
                    max_steps=args.steps + args.warmup, device=args.device, plots=False,
                    memory_budget_mb=args.memory_budget_mb or (16384 if gpu else 256),
                    micro_batch_tokens=16384 if gpu else 4096,
+                   serve_dtype=args.serve_dtype or ("bfloat16" if gpu else None),
                    effort=EffortConfig(multiples={"low": 1.0}, cap_factor=1.0, min_budget=1),
                    rollout=RolloutConfig(group_size=G, batch_groups=B, partial=partial, threshold=args.threshold))
     tr = RLTrainer(cfg)

@@ -8,7 +8,8 @@ import sys
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="RL on generated math / tool-world / code tasks with effort budgets")
-    p.add_argument("--base", required=True, help="checkpoint directory (official layout + tokenizer), e.g. k3 sft's final/")
+    p.add_argument("--base", required=True,
+                   help="checkpoint directory (official layout + tokenizer), e.g. k3 sft's final/")
     p.add_argument("--tasks", default="math",
                    help="comma-separated subset of math,worlds,code (default math: sized for a small model on CPU)")
     p.add_argument("--efforts", default="low,high,max", help="comma-separated subset of low,high,max")

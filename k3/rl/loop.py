@@ -1,7 +1,8 @@
 """`k3 rl`: the RL loop on one device. The engine serves the trainer's own module (weight sync is
-then free; `k3.rl.sync` also copies into a separate serving model), rollouts come from
-`RolloutManager` (partial rollouts), each step trains once on the completed groups with the
-truncated-IS loss (`k3.rl.losses`) and Per-Head Muon + AdamW (`k3.optim`, as `k3 train`).
+then free; with `serve_dtype` set, `k3.rl.sync` copies into a separate serving model after each
+update), rollouts come from `RolloutManager` (partial rollouts), each step trains once on the
+completed groups with the truncated-IS loss (`k3.rl.losses`) and Per-Head Muon + AdamW
+(`k3.optim`, as `k3 train`).
 
 Held-out evaluation (before the first step and after the last): the same rollout machinery on
 held-out seeds, G sampled attempts per (task, effort), no partial rollouts, no training.
@@ -27,6 +28,7 @@ from k3.rl.effort import EFFORTS, BudgetTracker, EffortConfig
 from k3.rl.losses import PGConfig, pg_loss
 from k3.rl.report import plot_rl
 from k3.rl.rollout import RolloutConfig, RolloutManager
+from k3.rl.sync import sync_weights
 from k3.rl.tasks import build_tasks
 from k3.serve.engine import Engine, EngineConfig
 from k3.train.metrics import MetricsLog, Progress, truncate_metrics
@@ -41,7 +43,9 @@ class RLConfig:
     forward/backward. memory_budget_mb: the engine's cache budget. math_partial: shaped credit for a
     wrong integer answer (0 = exact match only; pass rates always count exact answers). threads:
     torch intra-op threads (None: 1 on CPU, where decode is latency-bound and a loaded machine
-    stalls a second thread; the library default on GPU hosts)."""
+    stalls a second thread; the library default on GPU hosts). serve_dtype: None = the engine
+    serves the trainer's own module (no copy); e.g. "bfloat16" = a separate serving copy in that
+    dtype, refreshed in place after every update (k3.rl.sync)."""
 
     base: str = ""
     out: str = "runs/rl"
@@ -63,6 +67,7 @@ class RLConfig:
     math_levels: tuple[int, ...] = (1, 2)
     math_partial: float = 0.5
     threads: int | None = None
+    serve_dtype: str | None = None
     plots: bool = True
     pg: PGConfig = field(default_factory=PGConfig)
     effort: EffortConfig = field(default_factory=EffortConfig)
@@ -104,7 +109,10 @@ class RLTrainer:
         self.tok = load_tokenizer(cfg.base)
         self.model = K3ForCausalLM.from_pretrained(cfg.base, dtype=torch.float32).to(self.device)
         torch.manual_seed(cfg.seed)
-        self.engine = Engine(self.model, self.tok, EngineConfig(memory_budget_bytes=cfg.memory_budget_mb << 20,
+        serving = self.model
+        if cfg.serve_dtype is not None:
+            serving = K3ForCausalLM.from_pretrained(cfg.base, dtype=cfg.serve_dtype).to(self.device)
+        self.engine = Engine(serving, self.tok, EngineConfig(memory_budget_bytes=cfg.memory_budget_mb << 20,
                                                                 page_size=16, unit_size=16, max_running=256))
         geom = self.model.config.text_config
         self.opt = PerHeadMuon(build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -153,7 +161,8 @@ class RLTrainer:
         if not self.eval_tasks:
             return {}
         rc = RolloutConfig(group_size=self.cfg.eval_group, batch_groups=len(self.eval_tasks) * len(self.cfg.efforts),
-                           partial=False, temperature=self.cfg.rollout.temperature, max_turns=self.cfg.rollout.max_turns,
+                           partial=False, temperature=self.cfg.rollout.temperature,
+                           max_turns=self.cfg.rollout.max_turns,
                            seed=10_000 + self.cfg.seed, thinking=self.cfg.rollout.thinking)
         mgr = RolloutManager(self.engine, self.tok, rc, self.cfg.effort, BudgetTracker(min_samples=10**9))
         groups = mgr.collect(iter([(t, e) for t in self.eval_tasks for e in self.cfg.efforts]))
@@ -200,7 +209,7 @@ class RLTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
-        self.engine.on_weights_updated()   # the engine serves this module: only its prefix cache is stale
+        sync_weights(self.model, self.engine)  # a copy when serving separately; always drops stale prefixes
         self.rollouts.weights_updated()
         agg["grad_norm"] = float(gnorm)
         return agg
@@ -282,7 +291,7 @@ class RLTrainer:
         self.step, self.consumed, self.before = st["step"], st["consumed"], st["before"]
         self.rollouts.version = st["version"]
         set_rng_state(st["rng"])
-        self.engine.on_weights_updated()
+        sync_weights(self.model, self.engine)
         truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step - 1)
 
     def export(self, path: str) -> None:

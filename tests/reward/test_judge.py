@@ -52,7 +52,8 @@ def test_pairs_in_both_orders_position_bias_is_a_tie():
 
 
 def test_parse_and_verbosity_penalty():
-    assert parse_scores("Candidate 2: 7/10\ncandidate #1 = **4**\nCandidate 3: 11\nCandidate 1: 9", 3) == [4.0, 7.0, None]
+    reply = "Candidate 2: 7/10\ncandidate #1 = **4**\nCandidate 3: 11\nCandidate 1: 9"
+    assert parse_scores(reply, 3) == [4.0, 7.0, None]
     # shortest adequate answer has length 10: a 30-long one loses beta * (30/10 - 1)
     assert verbosity_penalty([1.0, 1.0, 0.2], [10, 30, 5], 0.1, 0.5) == [1.0, 0.8, 0.2]
     assert verbosity_penalty([0.1], [100], 0.1, 0.5) == [0.1]
@@ -77,7 +78,8 @@ def test_openai_backend_against_local_stub():
     srv = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        judge = Judge(openai_backend(f"http://127.0.0.1:{srv.server_port}/v1", "judge-model"), JudgeConfig(rubric=False))
+        backend = openai_backend(f"http://127.0.0.1:{srv.server_port}/v1", "judge-model")
+        judge = Judge(backend, JudgeConfig(rubric=False))
         assert judge.score("task", ["only one"]) == [0.6]
         assert seen["body"]["model"] == "judge-model" and seen["body"]["temperature"] == 0
     finally:

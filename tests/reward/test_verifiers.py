@@ -62,7 +62,8 @@ def test_lookup_world_hidden_verifier():
     env = LookupWorld()
     env.reset(5)
     key, value = env.target, env.table[env.target]
-    out = env.step([{"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": f'{{"key": "{key}"}}'}}])
+    call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": f'{{"key": "{key}"}}'}}
+    out = env.step([call])
     assert str(value) in out[0]["content"]
     assert world_score(env) == 0.0
     env.step([{"id": "c1", "type": "function", "function": {"name": "submit", "arguments": '{"answer": "garbage"}'}}])

@@ -72,3 +72,15 @@ def test_cli_config_and_errors(base, tmp_path):
     with pytest.raises(FileNotFoundError):
         RLTrainer(_cfg(base, tmp_path / "none", 1), resume=True)
     json.dumps(cfg.rollout.__dict__)
+
+
+def test_separate_serving_copy_is_synced_after_each_update(base, tmp_path):
+    cfg = _cfg(base, tmp_path, 2)
+    cfg.eval_tasks, cfg.plots, cfg.serve_dtype = 0, False, "float32"
+    trainer = RLTrainer(cfg)
+    _parity_tasks(trainer)
+    assert trainer.engine.model is not trainer.model
+    w0 = trainer.model.lm_head.weight.detach().clone()
+    trainer.run()
+    assert not torch.equal(w0, trainer.model.lm_head.weight)
+    assert torch.equal(trainer.engine.model.lm_head.weight, trainer.model.lm_head.weight)

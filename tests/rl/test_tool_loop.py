@@ -55,13 +55,17 @@ def test_tool_loop_reaches_hidden_verifier(tokenizer):
     env = task.make_env()
     key, value = env.target, env.table[env.target]
     msgs = list(task.messages)
-    turn1 = {"role": "assistant", "reasoning_content": "look", "content": "", "tool_calls": [_call("lookup", {"key": key}, 0)]}
+    turn1 = {"role": "assistant", "reasoning_content": "look", "content": "",
+             "tool_calls": [_call("lookup", {"key": key}, 0)]}
     t1 = _assistant_tokens(tokenizer, msgs, task.tools, turn1)
-    msgs += [turn1, {"role": "tool", "tool_call_id": "c0", "name": "lookup", "content": json.dumps({"value": value})}]
-    turn2 = {"role": "assistant", "reasoning_content": "ok", "content": "", "tool_calls": [_call("submit", {"answer": value}, 1)]}
+    msgs += [turn1, {"role": "tool", "tool_call_id": "c0", "name": "lookup",
+                     "content": json.dumps({"value": value})}]
+    turn2 = {"role": "assistant", "reasoning_content": "ok", "content": "",
+             "tool_calls": [_call("submit", {"answer": value}, 1)]}
     t2 = _assistant_tokens(tokenizer, msgs, task.tools, turn2)
     msgs += [turn2, {"role": "tool", "tool_call_id": "c1", "name": "submit", "content": "submitted"}]
-    t3 = _assistant_tokens(tokenizer, msgs, task.tools, {"role": "assistant", "reasoning_content": "", "content": f"{value}"})
+    final = {"role": "assistant", "reasoning_content": "", "content": f"{value}"}
+    t3 = _assistant_tokens(tokenizer, msgs, task.tools, final)
     eng = ScriptedEngine([t1, t2, t3])
     mgr = RolloutManager(eng, tokenizer, RolloutConfig(group_size=1, batch_groups=1, max_turns=4))
     [group] = mgr.collect(iter([(task, "high")]))
