@@ -56,17 +56,16 @@ def build_config(args: argparse.Namespace):
 
 
 def sandbox_runner():
-    """The code tasks' sandbox: k3.envs.sandbox's runner (ValueError when that module is absent)."""
+    """The code tasks' runner: a k3.envs.sandbox.Sandbox behind k3.reward.verifiers.SandboxRunner
+    (ValueError when that module is absent)."""
     import importlib.util
 
     if importlib.util.find_spec("k3.envs.sandbox") is None:
         raise ValueError("--tasks code needs k3.envs.sandbox (the sandbox that runs the unit tests)")
-    from k3.envs import sandbox
+    from k3.envs.sandbox import Sandbox
+    from k3.reward.verifiers import SandboxRunner
 
-    runner = getattr(sandbox, "python_runner", None)
-    if runner is None:
-        raise ValueError("k3.envs.sandbox has no python_runner() (a CodeRunner: run_python(source, timeout_s))")
-    return runner()
+    return SandboxRunner(Sandbox.create())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,6 +61,22 @@ class CodeRunner(Protocol):
     def run_python(self, source: str, timeout_s: float) -> ExecResult: ...
 
 
+class SandboxRunner:
+    """CodeRunner over a k3.envs.sandbox.Sandbox (duck-typed: `write_file(path, text)` and
+    `exec(cmd, timeout=...) -> result with rc, stdout, stderr, timed_out`): each program is written
+    to its own file in the sandbox's workspace and run with the sandbox's `python3`."""
+
+    def __init__(self, sandbox: Any, python: str = "python3") -> None:
+        self.sandbox, self.python, self.count = sandbox, python, 0
+
+    def run_python(self, source: str, timeout_s: float) -> ExecResult:
+        self.count += 1
+        path = f"k3_candidate_{self.count}.py"
+        self.sandbox.write_file(path, source)
+        r = self.sandbox.exec([self.python, path], timeout=timeout_s)
+        return ExecResult(int(r.rc), r.stdout or "", r.stderr or "", bool(r.timed_out))
+
+
 def extract_code(content: str) -> str:
     """The last ```python block of the answer, else the whole answer."""
     blocks = _CODE_BLOCK.findall(content or "")
@@ -116,5 +132,5 @@ def world_score(env: Any) -> float:
         return 0.0
 
 
-__all__ = ["CodeRunner", "ExecResult", "code_score", "extract_code", "extract_int", "math_score",
+__all__ = ["CodeRunner", "ExecResult", "SandboxRunner", "code_score", "extract_code", "extract_int", "math_score",
            "unit_test_program", "world_score"]

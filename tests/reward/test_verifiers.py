@@ -85,3 +85,23 @@ def test_math_partial_credit():
     assert math_score(10, "12", partial=0.5) == 0.5 / 3
     assert math_score(10, "no number", partial=0.5) == 0.0
     assert math_score(10, "12") == 0.0
+
+
+def test_sandbox_runner_adapter_with_fake_sandbox(tmp_path):
+    """SandboxRunner over a TEST STAND-IN with k3.envs.sandbox.Sandbox's write_file / exec surface
+    (files in a temp dir, run by a plain subprocess)."""
+    from types import SimpleNamespace
+
+    from k3.reward.verifiers import SandboxRunner
+
+    class FakeSandbox:
+        def write_file(self, path, data):
+            (tmp_path / path).write_text(data)
+
+        def exec(self, cmd, timeout=None):
+            p = subprocess.run([sys.executable, str(tmp_path / cmd[1])], capture_output=True, text=True,
+                               timeout=timeout)
+            return SimpleNamespace(rc=p.returncode, stdout=p.stdout, stderr=p.stderr, timed_out=False)
+
+    instr, ref, tests = make_code_problem(4)
+    assert code_score(SandboxRunner(FakeSandbox()), ref, tests) == 1.0
