@@ -12,6 +12,7 @@ from typing import Any
 
 from k3.envs.base import Agent, Environment, Reward, TaskInfo, ToolError
 from k3.envs.schema import ToolSpec
+from k3.reward.verifiers import world_score
 from k3.rl.tasks.base import Task, split_seed
 
 _KEYS = ("red", "blue", "green", "gold", "gray", "pink", "teal", "plum")
@@ -69,7 +70,6 @@ def lookup_task(split: str, index: int) -> Task:
         return env
 
     def score(msg: dict, env: Any) -> float:
-        from k3.reward.verifiers import world_score
         return world_score(env) if env is not None else 0.0
 
     return Task(task_id=f"lookup-{split}-{index}", kind="world", messages=messages, tools=tools, reference=ref,
