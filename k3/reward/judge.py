@@ -131,6 +131,47 @@ def verbosity_penalty(scores: list[float], lengths: list[int], beta: float, adeq
     return [min(1.0, max(0.0, s - beta * max(0.0, ln / base - 1.0))) for s, ln in zip(scores, lengths)]
 
 
+def bias_report(judge: Judge, items: Sequence[tuple[str, Sequence[str], Sequence[float]]]) -> dict[str, float]:
+    """Judge quality where hidden verifiers exist. items: (task, candidates, verifier scores).
+
+    agreement: over candidate pairs of a task whose verifier scores differ, the fraction the judge
+    orders the same way (a judge tie counts half). position_disagreement: pairs (2-candidate items)
+    whose two orders disagreed, per pair judged. length_corr: Pearson correlation of judge score and
+    candidate length over all candidates (0 when undefined). malformed: unscored candidates."""
+    agree = total = pairs = 0.0
+    scores_all: list[float] = []
+    lengths: list[int] = []
+    before = dict(judge.stats)
+    for task, cands, truth in items:
+        got = judge.score(task, cands)
+        pairs += len(cands) == 2
+        scores_all += got
+        lengths += [len(c) for c in cands]
+        for i in range(len(cands)):
+            for j in range(i + 1, len(cands)):
+                if truth[i] == truth[j]:
+                    continue
+                total += 1
+                d = (got[i] - got[j]) * (truth[i] - truth[j])
+                agree += 1.0 if d > 0 else 0.5 if got[i] == got[j] else 0.0
+    dis = judge.stats.get("order_disagreements", 0) - before.get("order_disagreements", 0)
+    return {"agreement": agree / total if total else float("nan"),
+            "position_disagreement": dis / pairs if pairs else float("nan"),
+            "length_corr": _pearson(scores_all, lengths),
+            "malformed": float(judge.stats["malformed"] - before.get("malformed", 0))}
+
+
+def _pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sx = sum((x - mx) ** 2 for x in xs) ** 0.5
+    sy = sum((y - my) ** 2 for y in ys) ** 0.5
+    return sxy / (sx * sy) if sx > 0 and sy > 0 else 0.0
+
+
 def openai_backend(base_url: str, model: str, api_key: str | None = None, timeout_s: float = 120.0,
                    max_tokens: int = 1024) -> Backend:
     """complete(messages) via POST {base_url}/chat/completions (temperature 0)."""
@@ -163,4 +204,4 @@ def engine_backend(engine: Any, tokenizer: Any, max_tokens: int = 512) -> Backen
     return complete
 
 
-__all__ = ["Judge", "JudgeConfig", "engine_backend", "openai_backend", "parse_scores", "verbosity_penalty"]
+__all__ = ["Judge", "JudgeConfig", "bias_report", "engine_backend", "openai_backend", "parse_scores", "verbosity_penalty"]

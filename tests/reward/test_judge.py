@@ -84,3 +84,16 @@ def test_openai_backend_against_local_stub():
         assert seen["body"]["model"] == "judge-model" and seen["body"]["temperature"] == 0
     finally:
         srv.shutdown()
+
+
+def test_bias_report_against_verifier_scores():
+    from k3.reward.judge import bias_report
+
+    # a judge that prefers longer answers: disagrees with the verifier where the short answer is right
+    judge = Judge(ScriptedJudge(lambda c: min(10, len(c))), JudgeConfig(beta=0.0, rubric=False))
+    items = [("t1", ["4", "four!!"], [1.0, 0.0]),           # judge wrong (prefers the long one)
+             ("t2", ["x", "correct", "no"], [0.0, 1.0, 0.0])]  # right on 2 pairs, tie-free
+    rep = bias_report(judge, items)
+    assert rep["agreement"] == 2 / 3
+    assert rep["position_disagreement"] == 0.0 and rep["malformed"] == 0.0
+    assert rep["length_corr"] > 0.9
