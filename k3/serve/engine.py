@@ -413,6 +413,18 @@ class Engine:
             error=req.error,
         )
 
+    # ---- weight updates (RL) ---------------------------------------------------------------------------
+    def on_weights_updated(self) -> int:
+        """Call after the model's parameters were changed in place (RL weight sync, k3.rl.sync): drops
+        the prefix cache's unpinned checkpoints, which hold states computed with the old weights, so no
+        later request starts from them. Running and paused requests keep their own caches (a partial
+        rollout resumes on the states its earlier tokens produced). Returns the number dropped."""
+        if self.prefix is None:
+            return 0
+        before = len(self.prefix)
+        self.prefix.clear()
+        return before - len(self.prefix)
+
     # ---- convenience ---------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,

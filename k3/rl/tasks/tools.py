@@ -1,0 +1,80 @@
+"""An embedded tool world (no download): look a value up through a tool and submit it.
+
+The user names a key; `lookup(key)` returns its number from a seeded table; `submit(answer)`
+records the answer. The hidden verifier reads only the final state: 1.0 when the submitted
+answer equals the key's value. A reference trajectory is two calls and a short reply.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from k3.envs.base import Agent, Environment, Reward, TaskInfo, ToolError
+from k3.envs.schema import ToolSpec
+from k3.rl.tasks.base import Task, split_seed
+
+_KEYS = ("red", "blue", "green", "gold", "gray", "pink", "teal", "plum")
+
+
+class LookupWorld(Environment):
+    """One task per seed: a table of 4 keys -> 2-digit values, a target key."""
+
+    world = "lookup"
+
+    def _reset(self, seed: int) -> tuple[list[dict], TaskInfo]:
+        rng = random.Random(seed * 31337 + 5)
+        keys = rng.sample(_KEYS, 4)
+        self.table = {k: rng.randint(10, 99) for k in keys}
+        self.target = rng.choice(keys)
+        self.submitted: int | None = None
+        msg = f"Use the lookup tool to find the value of {self.target}, then submit it."
+        return [{"role": "user", "content": msg}], TaskInfo(self.world, f"lookup-{seed}", seed)
+
+    def tool_specs(self) -> list[ToolSpec]:
+        return [
+            ToolSpec("lookup", "Value stored under a key.",
+                     {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}),
+            ToolSpec("submit", "Submit the final answer.",
+                     {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}),
+        ]
+
+    def call_tool(self, name: str, args: dict) -> Any:
+        if name == "lookup":
+            if args["key"] not in self.table:
+                raise ToolError(f"no key {args['key']!r}; keys: {', '.join(sorted(self.table))}")
+            return {"value": self.table[args["key"]]}
+        self.submitted = int(args["answer"])
+        return "submitted"
+
+    def verify(self) -> Reward:
+        ok = self.submitted == self.table[self.target]
+        return Reward(1.0 if ok else 0.0, {"submitted": self.submitted, "expected": self.table[self.target]})
+
+    def oracle(self) -> Agent:
+        raise NotImplementedError("the lookup world's reference is `reference_text`")
+
+
+def lookup_task(split: str, index: int) -> Task:
+    seed = split_seed(split, index)
+    probe = LookupWorld()
+    messages, tools = probe.reset(seed)
+    value = probe.table[probe.target]
+    ref = (f'<lookup key="{probe.target}"> {{"value": {value}}} <submit answer="{value}"> submitted '
+           f"The value of {probe.target} is {value}.")
+
+    def make_env() -> LookupWorld:
+        env = LookupWorld()
+        env.reset(seed)
+        return env
+
+    def score(msg: dict, env: Any) -> float:
+        from k3.reward.verifiers import world_score
+        return world_score(env) if env is not None else 0.0
+
+    return Task(task_id=f"lookup-{split}-{index}", kind="world", messages=messages, tools=tools, reference=ref,
+                score=score, make_env=make_env, meta={"answer": value})
+
+
+def lookup_tasks(split: str, n: int) -> list[Task]:
+    return [lookup_task(split, i) for i in range(n)]

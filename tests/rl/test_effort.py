@@ -1,0 +1,49 @@
+import pytest
+
+from k3.chat import render_text
+from k3.rl.effort import BudgetTracker, EffortConfig, effort_reward, max_tokens_for, parse_efforts
+
+
+def test_penalty_shape():
+    cfg = EffortConfig(multiples={"low": 1, "high": 2, "max": 4}, alpha=0.5).validate()
+    b = 10
+    assert effort_reward(1.0, 10, b, "low", cfg) == 1.0
+    assert effort_reward(1.0, 15, b, "low", cfg) == pytest.approx(1 - 0.5 * 0.5)
+    assert effort_reward(1.0, 20, b, "low", cfg) == pytest.approx(0.5)
+    assert effort_reward(1.0, 99, b, "low", cfg) == pytest.approx(0.5)   # saturated at alpha
+    assert effort_reward(1.0, 40, b, "max", cfg) == 1.0
+    assert effort_reward(1.0, 30, b, "high", cfg) == pytest.approx(1 - 0.5 * 0.5)
+    # wrong answers are never rewarded for brevity; partial scores pass through unchanged
+    assert effort_reward(0.0, 1, b, "low", cfg) == 0.0
+    assert effort_reward(0.4, 500, b, "low", cfg) == 0.4
+
+
+def test_caps_ordered_and_validation():
+    cfg = EffortConfig().validate()
+    caps = [max_tokens_for(10, e, cfg) for e in ("low", "high", "max")]
+    assert caps == [20, 40, 80]
+    with pytest.raises(ValueError):
+        EffortConfig(multiples={"low": 2, "high": 1}).validate()
+    with pytest.raises(ValueError):
+        EffortConfig(multiples={"medium": 2}).validate()
+    with pytest.raises(ValueError):
+        parse_efforts("low,huge")
+    assert parse_efforts("low, max") == ("low", "max")
+
+
+def test_budget_tracker_uses_max_effort_correct_samples():
+    t = BudgetTracker(min_samples=3)
+    for n in (10, 20, 30):
+        t.observe("a", "low", True, 1)      # low effort never shrinks the budget
+        t.observe("a", "max", False, 1)     # wrong attempts do not count
+        t.observe("a", "max", True, n)
+    assert t.budget("a", 99) == 20
+    assert t.budget("b", 7) == 7
+    t2 = BudgetTracker(min_samples=3)
+    t2.load_state_dict(t.state_dict())
+    assert t2.budget("a", 99) == 20
+
+
+def test_effort_is_rendered_as_thinking_effort_message():
+    text = render_text([{"role": "user", "content": "hi"}], thinking_effort="low", add_generation_prompt=True)
+    assert "thinking_effort=low" in text
