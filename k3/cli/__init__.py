@@ -17,6 +17,7 @@ COMMANDS = [
     "serve",
     "chat",
     "rl",
+    "distill",
 ]
 
 
