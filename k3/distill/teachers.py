@@ -101,18 +101,23 @@ class Router:
 
 
 class ModelTeacher:
-    """A k3 checkpoint in-process: `K3ForCausalLM.token_logprobs` under no_grad (chunked over the
-    vocabulary; the [T, vocab] logits are never held)."""
+    """A k3 checkpoint in-process: `K3ForCausalLM.token_logprobs` (chunked over the vocabulary; the
+    [T, vocab] logits are never held). Its parameters are frozen, so no autograd graph is recorded.
 
-    def __init__(self, name: str, model: torch.nn.Module) -> None:
-        self.name, self.model = name, model.eval()
+    training_numerics: score with grad mode on (nothing requires grad, so nothing is saved for a
+    backward) so the forward takes the same kernels as the student's training forward (some fused
+    projections differ between grad and no-grad mode in the last bits); a student equal to its
+    teacher then gets d_t = 0 exactly. False: no_grad mode (the serving kernels)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, training_numerics: bool = True) -> None:
+        self.name, self.model, self.training_numerics = name, model.eval(), training_numerics
         for p in self.model.parameters():
             p.requires_grad_(False)
 
-    @torch.no_grad()
     def score(self, ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         dev = next(self.model.parameters()).device
-        return self.model.token_logprobs(ids.to(dev), cu_seqlens=cu_seqlens).float()
+        with torch.set_grad_enabled(self.training_numerics):
+            return self.model.token_logprobs(ids.to(dev), cu_seqlens=cu_seqlens).float().detach()
 
 
 TopK = list[dict[int, float]]  # per position: token id -> log-prob (the top-k, plus the actual token if known)
