@@ -47,13 +47,14 @@ DEFAULT_RUBRIC = [("the answer is correct and complete", 1.0)]
 
 @dataclass
 class GenRMConfig:
-    """mode: "listwise" or "pairwise". beta / adequate: the verbosity penalty (module docstring).
+    """mode: "listwise" or "pairwise". beta / adequate: the verbosity penalty (module docstring); adequate
+    is high on purpose: a short, partly right answer (a reward hacker's) must not set the length norm.
     fallback: the reward of a candidate without a verdict. max_tool_rounds: judge turns that may
     request tools before the scores are due. code_timeout_s: per run_code call. seed: order shuffling."""
 
     mode: str = "listwise"
     beta: float = 0.1
-    adequate: float = 0.5
+    adequate: float = 0.8
     fallback: float = 0.0
     max_tool_rounds: int = 2
     code_timeout_s: float = 5.0
