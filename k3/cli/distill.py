@@ -48,14 +48,17 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3.distill.loop import train_distill
+    from k3.cli.rl import sandbox_runner
+    from k3.distill.loop import DistillTrainer
 
     try:
         cfg = build_config(args)
-    except ValueError as e:
+        runner = sandbox_runner() if any(t.domain == "code" for t in cfg.teachers) else None
+        trainer = DistillTrainer(cfg, resume=args.resume, runner=runner)
+    except ValueError as e:  # bad teachers / tokenizers / task domains: one line, nothing started
         print(f"k3 distill: error: {e}", file=sys.stderr)
         return 2
-    res = train_distill(cfg, resume=args.resume)
+    res = trainer.run()
     if res.interrupted:
         print(f"interrupted at step {res.steps}; resume with the same command and --resume", file=sys.stderr)
         return 130

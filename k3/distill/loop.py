@@ -110,8 +110,10 @@ def load_teacher(spec: TeacherSpec, vocab_size: int, device: torch.device) -> An
 
 
 class DistillTrainer:
-    def __init__(self, cfg: DistillConfig, resume: bool = False, teachers: dict | None = None) -> None:
-        """teachers: optional prebuilt (domain, effort) -> teacher objects (tests, remote stand-ins)."""
+    def __init__(self, cfg: DistillConfig, resume: bool = False, teachers: dict | None = None,
+                 runner: Any = None) -> None:
+        """teachers: optional prebuilt (domain, effort) -> teacher objects (tests, remote stand-ins).
+        runner: the sandbox of the code domain's unit tests (k3.reward.verifiers.CodeRunner)."""
         self.cfg = cfg.validate()
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads is not None or self.device.type == "cpu":
@@ -129,7 +131,7 @@ class DistillTrainer:
         self.router = Router(teachers or {s.key: load_teacher(s, self.tok.vocab_size, self.device)
                                           for s in cfg.teachers})
         self.domains = sorted({s.domain for s in cfg.teachers})
-        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial)
+        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial, runner=runner)
         self.train_tasks = {d: build_tasks((d,), "train", cfg.train_tasks, **kw) for d in self.domains}
         heldout = {d: build_tasks((d,), "heldout", cfg.eval_tasks, **kw) for d in self.domains}
         self.eval_tasks = {s.key: heldout[s.domain] for s in cfg.teachers}
@@ -311,8 +313,8 @@ def _jsonable(x: Any) -> Any:
     return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
 
 
-def train_distill(cfg: DistillConfig, resume: bool = False) -> DistillResult:
-    return DistillTrainer(cfg, resume=resume).run()
+def train_distill(cfg: DistillConfig, resume: bool = False, runner: Any = None) -> DistillResult:
+    return DistillTrainer(cfg, resume=resume, runner=runner).run()
 
 
 __all__ = ["DistillConfig", "DistillResult", "DistillTrainer", "load_teacher", "train_distill"]
