@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     if not args.no_student:
         student = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=1).to_dtype(dtype).to(dev).train()
     rows = []
-    print(f"| preset | device | dtype | docs x len | tokens | teacher tok/s | teacher peak MiB | full fp32 logits MiB "
-          f"| student fwd+bwd tok/s | student peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | device | dtype | docs x len | tokens | teacher tok/s | teacher peak MiB | full fp32 logits MiB "
+          "| student fwd+bwd tok/s | student peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         docs, doc_len = (int(x) for x in shape.lower().split("x"))
         r = bench_shape(teacher, student, docs, doc_len, vocab, dev, args.iters, args.warmup)

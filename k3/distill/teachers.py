@@ -161,7 +161,8 @@ class RemoteTeacher:
         return max(math.log(rest / others), self.floor_logp)
 
 
-def vllm_prompt_logprobs(base_url: str, model: str, k: int = 20, timeout_s: float = 120.0) -> Callable[[list[int]], TopK]:
+def vllm_prompt_logprobs(base_url: str, model: str, k: int = 20,
+                         timeout_s: float = 120.0) -> Callable[[list[int]], TopK]:
     """fetch() for an OpenAI-compatible /completions endpoint that accepts token-id prompts and
     `prompt_logprobs` (vLLM): one request per document, max_tokens 1."""
     url = base_url.rstrip("/") + "/completions"

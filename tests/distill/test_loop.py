@@ -5,6 +5,7 @@ import torch
 
 from k3.cli import build_parser
 from k3.cli.distill import build_config, format_table
+from k3.data.tokenizer import load_tokenizer
 from k3.distill.loop import DistillConfig, DistillTrainer
 from k3.distill.teachers import ModelTeacher, TeacherSpec
 from k3.rl.effort import EffortConfig
@@ -47,8 +48,7 @@ class Recorder:
 
 def test_distill_routes_trains_logs_exports_and_resumes(dirs, tmp_path):
     seen: list[str] = []
-    teacher = ModelTeacher("t", tiny_model(__import__("k3.data.tokenizer", fromlist=["x"]).load_tokenizer(
-        dirs["teacher"]), seed=5))
+    teacher = ModelTeacher("t", tiny_model(load_tokenizer(dirs["teacher"]), seed=5))
     teachers = {("math", "low"): Recorder(teacher, "math:low", seen),
                 ("worlds", "max"): Recorder(teacher, "worlds:max", seen)}
     tr = DistillTrainer(_cfg(dirs, tmp_path, 2), teachers=teachers)
