@@ -3,7 +3,8 @@
 A random-weight teacher of `--preset` (`k3.distill.teachers.ModelTeacher`: `token_logprobs`,
 vocabulary-chunked, no [T, vocab] logits held) scores packed batches of student samples: rows of
 `--docs` documents of `--doc-len` tokens. Reported per batch shape: teacher tokens/s (median of
-`--iters` after `--warmup`), peak device memory of the scoring call above the weights, the size the
+`--iters` after `--warmup`; the default training-numerics kernels and the no-grad serving kernels,
+see ModelTeacher), peak device memory of the scoring call above the weights, the size the
 full fp32 logits of that batch would have taken, and the student's forward + backward of
 `k3.distill.losses.opd_loss` on the same batch for comparison.
 
@@ -79,7 +80,10 @@ def bench_shape(teacher: ModelTeacher, student: K3ForCausalLM | None, docs: int,
     cu = torch.arange(0, docs * doc_len + 1, doc_len, dtype=torch.int32)
     n = ids.numel()
     sec, peak = _timed(lambda: teacher.score(ids, cu), dev, iters, warmup)
+    serving = ModelTeacher("bench-serving", teacher.model, training_numerics=False)
+    s_sec, s_peak = _timed(lambda: serving.score(ids, cu), dev, iters, warmup)
     rec = {"docs": docs, "doc_len": doc_len, "tokens": n, "teacher_tok_s": n / sec, "teacher_peak_mib": peak / 2**20,
+           "teacher_nograd_tok_s": n / s_sec, "teacher_nograd_peak_mib": s_peak / 2**20,
            "full_logits_fp32_mib": n * vocab * 4 / 2**20}
     if student is not None:
         t_lp = teacher.score(ids, cu)
@@ -112,8 +116,9 @@ def main(argv=None) -> int:
     if not args.no_student:
         student = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=1).to_dtype(dtype).to(dev).train()
     rows = []
-    print("| preset | device | dtype | docs x len | tokens | teacher tok/s | teacher peak MiB | full fp32 logits MiB "
-          "| student fwd+bwd tok/s | student peak MiB |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| preset | device | dtype | docs x len | tokens | teacher tok/s | teacher peak MiB | no-grad teacher tok/s "
+          "| no-grad peak MiB | full fp32 logits MiB | student fwd+bwd tok/s | student peak MiB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         docs, doc_len = (int(x) for x in shape.lower().split("x"))
         r = bench_shape(teacher, student, docs, doc_len, vocab, dev, args.iters, args.warmup)
@@ -121,7 +126,8 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
         rows.append(r)
         print(f"| {args.preset} | {r['gpu']} | {args.dtype} | {docs} x {doc_len} | {r['tokens']} | "
-              f"{r['teacher_tok_s']:.0f} | {r['teacher_peak_mib']:.0f} | {r['full_logits_fp32_mib']:.0f} | "
+              f"{r['teacher_tok_s']:.0f} | {r['teacher_peak_mib']:.0f} | {r['teacher_nograd_tok_s']:.0f} | "
+              f"{r['teacher_nograd_peak_mib']:.0f} | {r['full_logits_fp32_mib']:.0f} | "
               f"{r.get('student_fwd_bwd_tok_s', float('nan')):.0f} | {r.get('student_peak_mib', float('nan')):.0f} |",
               flush=True)
     if args.out:
