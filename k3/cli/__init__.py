@@ -18,6 +18,7 @@ COMMANDS = [
     "chat",
     "eval",
     "rl",
+    "distill",
 ]
 
 

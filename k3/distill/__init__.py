@@ -1,0 +1,1 @@
+"""Multi-teacher on-policy distillation (docs/distill.md)."""
