@@ -18,6 +18,7 @@ Writes <out>/<method>/ (metrics.jsonl, balance.png, ...) and <out>/balance.json,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -63,7 +64,8 @@ def capture_scores(trainer: Trainer) -> dict[int, tuple[torch.Tensor, torch.Tens
     batch = next(trainer.data.loader)
     trainer.model.train()
     ids, labels = batch.input_ids.to(trainer.device), batch.labels.to(trainer.device)
-    with trainer._autocast():
+    cuda = trainer.device.type == "cuda"
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda) if cuda else contextlib.nullcontext():
         trainer.model(ids, labels=labels, cu_seqlens=batch.cu_seqlens, return_logits=False)
     return got
 
@@ -75,9 +77,9 @@ def estimator_error(scores: dict[int, tuple[torch.Tensor, torch.Tensor]], top_k:
         m, E = s.shape
         qb = QuantileBalancer(1, E, top_k, bins=bins)
         qb.observe(0, s, b)
-        _, _, tokens = qb._views(qb._buf)
-        counts = qb._views(qb._buf)[0]
-        q = qb.quantiles(counts, tokens)[0].float()
+        new = b.clone()
+        qb.step([new])
+        q = b - new  # rate 1: the histogram quantile Q_{1-k/E}(u) per expert
         u, _ = biased_margins(s, b, top_k)
         rank = max(math.ceil(m * (E - top_k) / E), 1)
         exact = u.sort(dim=0).values[rank - 1]
