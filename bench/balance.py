@@ -29,6 +29,7 @@ import torch
 from k3.optim.quantile_balance import QuantileBalancer, biased_margins
 from k3.train.config import TrainConfig
 from k3.train.metrics import read_metrics
+from k3.train.state import load_run_config
 from k3.train.trainer import Trainer
 
 METHODS = ("none", "sign", "quantile_exact", "quantile")
@@ -109,6 +110,14 @@ def run_method(args, method: str) -> dict[str, object]:
     return res
 
 
+def estimator_from_run(run_dir: str, bins: list[int]) -> list[dict[str, float]]:
+    """The estimator error on router scores of a finished run's checkpoint (its next training batch)."""
+    cfg = TrainConfig.from_dict(load_run_config(run_dir))
+    trainer = Trainer(cfg, resume=True)
+    scores = capture_scores(trainer)
+    return [estimator_error(scores, trainer.model_config.text_config.num_experts_per_token, b) for b in bins]
+
+
 def _is_json(v: str) -> bool:
     try:
         json.loads(v)
@@ -141,8 +150,15 @@ def main() -> None:
     p.add_argument("--sign-rate", type=float, default=None, help="gamma of the sign update (default 1e-3)")
     p.add_argument("--bins", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 256, 1024])
     p.add_argument("--set", action="append", default=[], help="TrainConfig override key=value (JSON values)")
+    p.add_argument("--from-run", default=None, help="only the estimator error, on a finished run's checkpoint")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.from_run:
+        est = estimator_from_run(args.from_run, args.bins)
+        md = "".join(
+            f"| {e['bins']} | {e['max_quantile_error']:.2e} | {e['max_load_error']:.4f} |\n" for e in est)
+        print("| bins | max abs quantile error | max load error |\n|---|---|---|\n" + md)
+        return
     os.makedirs(args.out, exist_ok=True)
     results = []
     for method in args.methods.split(","):
