@@ -26,7 +26,7 @@ import statistics
 
 import torch
 
-from k3.optim.quantile_balance import QuantileBalancer, biased_margins
+from k3.optim.quantile_balance import QuantileBalancer, biased_margins, exact_bias_update
 from k3.train.config import TrainConfig
 from k3.train.metrics import read_metrics
 from k3.train.state import load_run_config
@@ -116,6 +116,45 @@ def estimator_from_run(run_dir: str, bins: list[int]) -> list[dict[str, float]]:
     trainer = Trainer(cfg, resume=True)
     scores = capture_scores(trainer)
     return [estimator_error(scores, trainer.model_config.text_config.num_experts_per_token, b) for b in bins]
+
+
+def _fit(scores: torch.Tensor, top_k: int, iters: int = 6) -> torch.Tensor:
+    """A bias balancing `scores` [m, E] in sample: QB iterated to its fixed point (exact quantiles)."""
+    bias = torch.zeros(scores.shape[1])
+    for _ in range(iters):
+        bias = exact_bias_update(scores, bias, top_k)
+    return bias
+
+
+def _max_mean(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> float:
+    loads = torch.bincount((scores + bias).topk(top_k, -1).indices.flatten(), minlength=scores.shape[1]).double()
+    return float(loads.max() / loads.mean())
+
+
+def floor_analysis(trainer: Trainer, seq_lens: list[int], batches: int) -> list[dict[str, float]]:
+    """How balanced can the *next* batch be, with the model frozen (no router drift at all)?
+
+    For each seq_len: `batches` consecutive training batches of the run's tokens_per_step; per MoE
+    layer, batch t under a bias fitted (QB to convergence) on (a) batch t itself, (b) batch t-1, (c) all
+    the other batches pooled (a population bias). Reports medians over t of the max over layers: (b)
+    is the best any balancer that uses the previous step can do, (c) the best any fixed bias can do;
+    both measure how much the batch's own content varies, which no causal bias can follow.
+    """
+    k = trainer.model_config.text_config.num_experts_per_token
+    rows = []
+    for seq in seq_lens:
+        trainer.data.loader.set_shape(seq, trainer.cfg.tokens_per_step // seq)
+        caps = [capture_scores(trainer) for _ in range(batches)]
+        own, prev, pooled = [], [], []
+        for t in range(1, batches):
+            own.append(max(_max_mean(caps[t][i][0], _fit(caps[t][i][0], k), k) for i in caps[t]))
+            prev.append(max(_max_mean(caps[t][i][0], _fit(caps[t - 1][i][0], k), k) for i in caps[t]))
+            pooled.append(max(_max_mean(caps[t][i][0], _fit(torch.cat([c[i][0] for j, c in enumerate(caps) if j != t]), k),
+                                        k) for i in caps[t]))
+        rows.append({"seq_len": seq, "rows_per_batch": trainer.cfg.tokens_per_step // seq,
+                     "in_sample": statistics.median(own), "previous_batch": statistics.median(prev),
+                     "population": statistics.median(pooled)})
+    return rows
 
 
 def _is_json(v: str) -> bool:
