@@ -110,6 +110,8 @@ class Trainer:
                     if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
         tc = self.model_config.text_config
         # the router balancer (also counts the loads of "none"); the observer sees training forwards only
+        if self.par is not None and cfg.balancing == "quantile_exact":
+            raise ConfigError("balancing='quantile_exact' needs every score in one process; use 'quantile' under torchrun")
         self.qb = make_balancer(cfg.balancing if cfg.quantile_balancing else "none", tc.num_hidden_layers,
                                 tc.num_experts, tc.num_experts_per_token, bins=cfg.qb_bins, rate=cfg.bias_update_rate)
         for i, moe in self.moe.items():
