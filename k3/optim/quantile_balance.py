@@ -4,19 +4,23 @@ Notation for one MoE layer: E experts, top-k routing, m tokens observed during t
 micro-batches and all ranks), sigmoid scores s[t, e] (fp32) and the selection-only bias b[e]
 (``e_score_correction_bias``) that was used to route those tokens.
 
-* biased score    z[t, e] = s[t, e] + b[e]
-* cutoff          c[t]    = the (k+1)-th largest z[t, :]   (the best expert the token did NOT pick)
-* margin          d[t, e] = s[t, e] - c[t]
-* Expert e is picked by token t under a bias b'  <=>  d[t, e] + b'[e] > 0. QB chooses b' so that
-  exactly m*k/E tokens pass for every expert:  -b'[e] = Q_{1-k/E}( d[:, e] ),
-  the (1 - k/E) quantile of expert e's margins (J. Su, kexue.fm/archives/11619; K3 report Eq. 14).
+* biased score    z[t, e] = s[t, e] + b[e];  z_(k)[t], z_(k+1)[t] its k-th and (k+1)-th largest
+* threshold       c[t, e] = z_(k+1)[t] if token t picked e (the best expert it did not pick),
+                            z_(k)[t]   otherwise           (the weakest expert it did pick)
+* biased margin   u[t, e] = z[t, e] - c[t, e]    (u > 0 exactly for the k picked experts)
+* With every other bias fixed, token t picks e under a bias b'[e]  <=>  u[t, e] + b'[e] - b[e] > 0.
+  QB chooses b' so that exactly m*k/E tokens pass for every expert:
 
-The estimator histograms the *biased* margin u[t, e] = d[t, e] + b[e] = z[t, e] - c[t]
-(so u > 0 exactly for the k picked experts) and uses Q(d) = Q(u) - b, i.e.
+      b_new[e] = b[e] - Q_{1-k/E}( u[:, e] )
 
-    b_new[e] = b[e] - Q_{1-k/E}( u[:, e] ).
+  (J. Su, kexue.fm/archives/11619; K3 report Eq. 14). The report's cutoff is z_(k+1) for every
+  expert; for an expert the token did not pick that is the threshold to become the (k+1)-th, not
+  to be picked, and the expert that *is* the (k+1)-th gets u = 0 exactly: an atom of ~m/E zeros
+  per expert (a quarter of the k/E target at E=32, k=4) on which the quantile of an underloaded
+  expert lands, so its bias does not move. The two-sided threshold removes that stall (docs/optim.md).
 
-u concentrates around 0 once the bias is nearly balanced, which is where fixed bins are spent.
+``rate`` (alpha) damps the step: b_new = b - alpha * Q. ``estimator="exact"`` keeps the margins
+and takes the order statistic u_(ceil r); ``"histogram"`` (the default) bins them.
 Quantile Q_p from a histogram: with cumulative counts C over bins in ascending order and the
 rank r = p*m, take the first bin j with C[j] >= r and interpolate linearly inside it,
 Q = lo_j + width_j * (r - C[j-1]) / count_j. The order statistic u_(ceil r) lies in the same
@@ -38,33 +42,56 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QuantileBalancer", "exact_bias_update", "biased_margins"]
+__all__ = ["QuantileBalancer", "balance_stats", "biased_margins", "exact_bias_update"]
 
 _SPACINGS = ("linear", "asinh")
+_ESTIMATORS = ("histogram", "exact")
 
 
 def biased_margins(scores: Tensor, bias: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    """u = (s + b) - c per token/expert and the top-k picks.
+    """u = z - c per token/expert (two-sided threshold, module docstring) and the top-k picks.
 
     scores: [m, E] fp32 sigmoid scores; bias: [E]. Returns (u [m, E] fp32, picks [m, k] int64);
     picks are ``torch.topk`` of the biased scores, the router's own selection rule.
     """
     biased = scores.float() + bias.float()
     values, indices = biased.topk(top_k + 1, dim=-1)
-    return biased - values[:, top_k : top_k + 1], indices[:, :top_k]
+    picks = indices[:, :top_k]
+    picked = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, picks, True)
+    threshold = torch.where(picked, values[:, top_k : top_k + 1], values[:, top_k - 1 : top_k])
+    return biased - threshold, picks
+
+
+def _order_statistic(u: Tensor, num_experts: int, top_k: int) -> Tensor:
+    """u_(ceil r) per expert, r = m*(1 - k/E): u [m, E] -> [E]."""
+    m = u.shape[0]
+    rank = max(math.ceil(m * (num_experts - top_k) / num_experts), 1)
+    return u.sort(dim=0).values[rank - 1]
 
 
 def exact_bias_update(scores: Tensor, bias: Tensor, top_k: int) -> Tensor:
     """Reference QB update with an exact order statistic (one process, no histogram).
 
-    Returns b_new [E] fp32 with -b_new[e] = u_(ceil r)[e] - b[e], u_(i) the i-th smallest biased
-    margin of expert e and r = m*(1 - k/E).
+    Returns b_new [E] fp32 = b - u_(ceil r), u_(i) the i-th smallest biased margin of each expert
+    and r = m*(1 - k/E).
     """
     u, _ = biased_margins(scores, bias, top_k)
-    m, num_experts = u.shape
-    rank = max(math.ceil(m * (num_experts - top_k) / num_experts), 1)
-    order_stat = u.sort(dim=0).values[rank - 1]
-    return bias.float() - order_stat
+    return bias.float() - _order_statistic(u, u.shape[1], top_k)
+
+
+def balance_stats(loads: Tensor, tokens: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """Per-layer (max/mean, coefficient of variation) of expert loads.
+
+    loads: [L, E] tokens routed to each expert; tokens: [L] tokens observed. Returns two float64
+    [L] CPU tensors, NaN where a layer saw no tokens. mean = tokens*k/E; CV = std/mean with the
+    population std over the E experts; a perfectly balanced layer gives (1, 0).
+    """
+    loads, tokens = loads.double(), tokens.double()
+    mean = (tokens * top_k / loads.shape[-1]).clamp(min=1e-12)
+    ratio = loads.amax(-1) / mean
+    cv = (loads - mean.unsqueeze(-1)).square().mean(-1).sqrt() / mean
+    nan = torch.full_like(ratio, float("nan"))
+    return torch.where(tokens > 0, ratio, nan).cpu(), torch.where(tokens > 0, cv, nan).cpu()
 
 
 class QuantileBalancer:
@@ -76,6 +103,9 @@ class QuantileBalancer:
     bins: interior bins per expert; range: (lo, hi) or R for (-R, R), the histogram span of the
     biased margin u; spacing: "linear" (uniform in u) or "asinh" (uniform in asinh(u/scale):
     bins ~scale*width near 0, relatively constant far away); scale: the asinh knee.
+    estimator: "histogram" (mergeable across ranks) or "exact" (keeps this step's margins and
+    takes the order statistic: one process only, memory m*E*4 bytes per layer).
+    rate: alpha in b_new = b - alpha*Q, in (0, 1]; 1 is the full QB step.
     device: where the counts live (default: the device of the first observed scores).
     """
 
@@ -89,6 +119,8 @@ class QuantileBalancer:
         spacing: str = "asinh",
         scale: float = 1e-3,
         device: torch.device | str | None = None,
+        estimator: str = "histogram",
+        rate: float = 1.0,
     ) -> None:
         if num_layers <= 0:
             raise ValueError(f"num_layers: must be positive, got {num_layers}")
@@ -103,6 +135,12 @@ class QuantileBalancer:
             raise ValueError(f"spacing: expected one of {_SPACINGS}, got {spacing!r}")
         if scale <= 0:
             raise ValueError(f"scale: must be positive, got {scale}")
+        if estimator not in _ESTIMATORS:
+            raise ValueError(f"estimator: expected one of {_ESTIMATORS}, got {estimator!r}")
+        if not 0 < rate <= 1:
+            raise ValueError(f"rate: must be in (0, 1], got {rate}")
+        self.estimator, self.rate = estimator, float(rate)
+        self._margins: dict[int, list[Tensor]] = {}  # estimator="exact": this step's u per layer
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.bins, self.lo, self.hi, self.spacing, self.scale = bins, lo, hi, spacing, scale
         self._g_lo, self._g_hi = self._warp(lo), self._warp(hi)
@@ -111,6 +149,7 @@ class QuantileBalancer:
         self._buf: Tensor | None = None
         self.steps = 0
         self.last_balance = torch.full((num_layers,), float("nan"), dtype=torch.float64)
+        self.last_cv = self.last_balance.clone()
 
     # ---- bin geometry -------------------------------------------------------------------
     def _warp(self, u: float) -> float:
@@ -171,7 +210,10 @@ class QuantileBalancer:
         flat = self.bin_index(u) + torch.arange(E, device=buf.device) * self._slots()
         # index_add_, not bincount: on CUDA bincount reads the largest index back to the host, a stall of
         # the GPU queue in every MoE layer of every forward (integer adds: deterministic all the same)
-        counts[layer_idx].view(-1).index_add_(0, flat.flatten(), torch.ones_like(flat).flatten())
+        if self.estimator == "exact":
+            self._margins.setdefault(layer_idx, []).append(u)
+        else:
+            counts[layer_idx].view(-1).index_add_(0, flat.flatten(), torch.ones_like(flat).flatten())
         loads[layer_idx].index_add_(0, picks.flatten(), torch.ones_like(picks).flatten())
         tokens[layer_idx] += scores.shape[0]
 
@@ -220,45 +262,55 @@ class QuantileBalancer:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
             self._ensure_buffer(device)
         if all_reduce is not None:
+            if self.estimator == "exact":
+                raise ValueError("estimator='exact' needs every score in one process; use 'histogram' across ranks")
             all_reduce(self._buf)
         counts, loads, tokens = self._views(self._buf)
-        q = self.quantiles(counts, tokens)
+        q = self.quantiles(counts, tokens) if self.estimator == "histogram" else None
         self._record_balance(loads, tokens)
         observed = tokens.cpu()  # one device sync for all layers
         out = {}
         for i, b in targets.items():
             if int(observed[i]) > 0:
-                b.sub_(q[i].to(device=b.device, dtype=b.dtype))
+                qi = q[i] if q is not None else _order_statistic(torch.cat(self._margins[i]), self.num_experts, self.top_k)
+                b.sub_((self.rate * qi.double()).to(device=b.device, dtype=b.dtype))
             out[i] = b
         self._buf.zero_()
+        self._margins.clear()
         self.steps += 1
         return out
 
     def _record_balance(self, loads: Tensor, tokens: Tensor) -> None:
-        mean = tokens.double() * self.top_k / self.num_experts
-        ratio = loads.double().amax(-1) / mean.clamp(min=1e-12)
-        self.last_balance = torch.where(tokens > 0, ratio, float("nan")).cpu()
+        self.last_balance, self.last_cv = balance_stats(loads, tokens, self.top_k)
 
     def load_balance(self) -> dict[int, float]:
         """Max load / mean load per observed layer of the last step()'s batch (1.0 = perfect)."""
         return {i: float(v) for i, v in enumerate(self.last_balance.tolist()) if not math.isnan(v)}
 
+    def load_cv(self) -> dict[int, float]:
+        """Coefficient of variation (std/mean) of the expert loads per observed layer of the last step()."""
+        return {i: float(v) for i, v in enumerate(self.last_cv.tolist()) if not math.isnan(v)}
+
     # ---- checkpointing ------------------------------------------------------------------
     def _config(self) -> dict[str, Any]:
         return dict(num_layers=self.num_layers, num_experts=self.num_experts, top_k=self.top_k,
-                    bins=self.bins, lo=self.lo, hi=self.hi, spacing=self.spacing, scale=self.scale)
+                    bins=self.bins, lo=self.lo, hi=self.hi, spacing=self.spacing, scale=self.scale,
+                    estimator=self.estimator, rate=self.rate)
 
     def state_dict(self) -> dict[str, Any]:
-        """Config, step count, last balance and any histograms accumulated so far (on CPU)."""
+        """Config, step count, last balance and any histograms accumulated so far (on CPU).
+        (estimator="exact": the margins of a step in progress are not saved; save between steps.)"""
         return dict(config=self._config(), steps=self.steps, last_balance=self.last_balance.clone(),
-                    buffer=None if self._buf is None else self._buf.cpu().clone())
+                    last_cv=self.last_cv.clone(), buffer=None if self._buf is None else self._buf.cpu().clone())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a state_dict() taken from a balancer with the same configuration."""
-        if dict(state["config"]) != self._config():
-            raise ValueError(f"state['config']: {dict(state['config'])} does not match {self._config()}")
+        saved = dict(estimator="histogram", rate=1.0) | dict(state["config"])  # older states lack these keys
+        if saved != self._config():
+            raise ValueError(f"state['config']: {saved} does not match {self._config()}")
         self.steps = int(state["steps"])
         self.last_balance = state["last_balance"].clone().to(torch.float64)
+        self.last_cv = state.get("last_cv", torch.full_like(self.last_balance, float("nan"))).clone()
         buf = state["buffer"]
         if buf is None:
             self._buf = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3.config import ConfigError
+from k3.optim.balance_baselines import BALANCING_METHODS
 
 
 @dataclass
@@ -57,6 +58,13 @@ class TrainConfig:
     log_every: int = 1
     vocab_size: int | None = None  # tokenizer vocab; default = the model's vocab_size
     tokenizer: str | None = None  # an existing tokenizer dir (e.g. with the official tiktoken.model)
+    # MoE router balancing (k3.optim.balance_baselines): "quantile" (Quantile Balancing, histogram
+    # estimator), "quantile_exact" (exact order statistic; one process), "sign" (DeepSeek-V3's
+    # aux-loss-free b += rate*sign(mean - load)), "none" (loads are still logged). bias_update_rate:
+    # the QB damping in (0, 1] (default 1) or the sign step (default 1e-3). quantile_balancing=False
+    # (the older switch) means "none".
+    balancing: str = "quantile"
+    bias_update_rate: float | None = None
     quantile_balancing: bool = True
     qb_bins: int = 256
     activation_checkpointing: bool = False
@@ -99,6 +107,11 @@ class TrainConfig:
             bad("val_fraction", "must be in (0, 1)")
         if self.grad_clip < 0:
             bad("grad_clip", "must be >= 0 (0 = off)")
+        if self.balancing not in BALANCING_METHODS:
+            bad("balancing", f"must be one of {BALANCING_METHODS}")
+        if self.bias_update_rate is not None and not (
+                self.bias_update_rate > 0 and (self.bias_update_rate <= 1 or self.balancing == "sign")):
+            bad("bias_update_rate", "must be None or > 0 (and <= 1 for quantile balancing)")
         for name in ("vision_batch_size", "vision_train_examples", "vision_eval_examples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be a positive int")

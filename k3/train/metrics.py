@@ -111,3 +111,48 @@ def plot_losses(metrics_path: str, png_path: str) -> bool:
     plt.close(fig)
     os.replace(tmp, png_path)
     return True
+
+
+def balance_record(max_mean: dict[int, float], cv: dict[int, float]) -> dict[str, Any]:
+    """The expert-load fields of a step record from per-layer {layer index: value} dicts:
+    max_load_ratio (max over layers of max/mean load), load_cv (mean over layers of std/mean), and
+    the per-layer values under layer_max_load / layer_load_cv (JSON keys: the layer index as text).
+    Empty when no layer was observed."""
+    if not max_mean:
+        return {}
+    return {"max_load_ratio": max(max_mean.values()), "load_cv": sum(cv.values()) / max(len(cv), 1),
+            "layer_max_load": {str(i): v for i, v in max_mean.items()},
+            "layer_load_cv": {str(i): v for i, v in cv.items()}}
+
+
+def plot_balance(metrics_path: str, png_path: str) -> bool:
+    """Per-layer expert balance vs step (max/mean load above, CV below; one line per MoE layer).
+    Returns False without matplotlib or without per-layer records."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    recs = [r for r in read_metrics(metrics_path) if "layer_max_load" in r]
+    if not recs:
+        return False
+    layers = sorted({k for r in recs for k in r["layer_max_load"]}, key=int)
+    fig, axes = plt.subplots(2, 1, figsize=(7, 6), dpi=110, sharex=True)
+    for key, ax, label in (("layer_max_load", axes[0], "max / mean load"), ("layer_load_cv", axes[1], "load CV")):
+        for layer in layers:
+            pts = [(r["step"], r[key][layer]) for r in recs if layer in r.get(key, {})]
+            if pts:
+                ax.plot(*zip(*pts), lw=0.8, label=f"layer {layer}")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7, ncol=3)
+    axes[1].set_xlabel("step")
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return True

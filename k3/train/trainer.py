@@ -19,11 +19,12 @@ from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.model.moe import LatentMoE
 from k3.ops import to_device_async
-from k3.optim import HeadGeometry, PerHeadMuon, QuantileBalancer
+from k3.optim import HeadGeometry, PerHeadMuon
+from k3.optim.balance_baselines import make_balancer
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
-from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
+from k3.train.metrics import MetricsLog, Progress, balance_record, plot_balance, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_run_config, save_state, set_rng_state, state_path
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data
 
@@ -108,11 +109,13 @@ class Trainer:
         self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
                     if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
         tc = self.model_config.text_config
-        self.qb = QuantileBalancer(num_layers=tc.num_hidden_layers, num_experts=tc.num_experts,
-                                   top_k=tc.num_experts_per_token, bins=cfg.qb_bins)
-        if cfg.quantile_balancing:
-            for i, moe in self.moe.items():
-                moe.gate.score_observer = functools.partial(self.qb.observe, i)
+        # the router balancer (also counts the loads of "none"); the observer sees training forwards only
+        if self.par is not None and cfg.balancing == "quantile_exact":
+            raise ConfigError("balancing='quantile_exact' needs every score in one process; use 'quantile' under torchrun")
+        self.qb = make_balancer(cfg.balancing if cfg.quantile_balancing else "none", tc.num_hidden_layers,
+                                tc.num_experts, tc.num_experts_per_token, bins=cfg.qb_bins, rate=cfg.bias_update_rate)
+        for i, moe in self.moe.items():
+            moe.gate.score_observer = functools.partial(self.qb.observe, i)
         self.step = 0
         self.stage = -1
         self.val_history: list[float] = []
@@ -258,17 +261,13 @@ class Trainer:
             g["lr"] = base * f
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        balance = None
-        if self.cfg.quantile_balancing and self.moe:
+        if self.moe:
             self.qb.step({i: m.gate.e_score_correction_bias for i, m in self.moe.items()},
                          all_reduce=None if self.par is None else self.par.all_reduce)
-            lb = [v for v in self.qb.load_balance().values() if math.isfinite(v)]
-            balance = max(lb) if lb else None
         dt = time.perf_counter() - t0
         rec = {"step": self.step, "loss": float(loss), "lr": self.base_lrs[0] * f, "grad_norm": gnorm.item(),
                "tokens": batch.num_tokens, "tok_s": batch.num_tokens / dt, "seq_len": self.cfg.stages[self.stage].seq_len}
-        if balance is not None:
-            rec["max_load_ratio"] = balance
+        rec.update(balance_record(self.qb.load_balance(), self.qb.load_cv()) if self.moe else {})
         rec["tflops"] = flops / dt / self.world / 1e12  # model FLOPs (text), per GPU
         if self.peak is not None:
             rec["mfu"] = rec["tflops"] * 1e12 / self.peak
@@ -346,7 +345,8 @@ class Trainer:
                 self.log.write(rec)
                 if not math.isfinite(rec["loss"]):
                     raise FloatingPointError(f"loss became {rec['loss']} at step {self.step}")
-                extra = [f"mfu {rec['mfu']:.1%}"] if "mfu" in rec else []
+                extra = [f"cv {rec['load_cv']:.2f}"] if "load_cv" in rec else []
+                extra += [f"mfu {rec['mfu']:.1%}"] if "mfu" in rec else []
                 extra += [f"vl {rec['vision_loss']:.3f}"] if "vision_loss" in rec else []
                 self.progress.update(self.step, rec["loss"], rec["tok_s"], rec.get("max_load_ratio"), " ".join(extra))
                 self.step += 1
@@ -357,6 +357,7 @@ class Trainer:
                     self.progress.message(f"step {self.step}: val_loss {val:.4f}")
                     if self.main:
                         plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+                        plot_balance(self.log.path, os.path.join(self.out, "balance.png"))
                 if self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                     self.save()
         except KeyboardInterrupt:
@@ -367,6 +368,7 @@ class Trainer:
         self.save()
         if self.main:
             plot_losses(self.log.path, os.path.join(self.out, "loss.png"))
+            plot_balance(self.log.path, os.path.join(self.out, "balance.png"))
         vision_eval = None
         if not interrupted:
             self.export(os.path.join(self.out, "final"))
