@@ -2,7 +2,7 @@
 
 Worlds declare tools as `ToolSpec`s; `validate(value, schema)` checks a model's arguments against
 the schema (the subset tool declarations use: type, properties, required, additionalProperties,
-enum, items, minimum/maximum, minLength/maxLength, anyOf/oneOf). It returns a list of readable
+enum, items, minItems/maxItems, minimum/maximum, minLength/maxLength, anyOf/oneOf). It returns a list of readable
 error strings (empty = valid) instead of raising, because a model's bad call becomes an error
 observation, never an exception.
 """
@@ -72,9 +72,14 @@ def validate(value: Any, schema: dict, path: str = "arguments") -> list[str]:
         errors.append(f"{path}: {value!r} is not one of {schema['enum']!r}")
     if isinstance(value, dict):
         errors += _validate_object(value, schema, path)
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
-        for i, item in enumerate(value):
-            errors += validate(item, schema["items"], f"{path}[{i}]")
+    elif isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            errors.append(f"{path}: fewer than {schema['minItems']} items")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            errors.append(f"{path}: more than {schema['maxItems']} items")
+        elif isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                errors += validate(item, schema["items"], f"{path}[{i}]")
     elif isinstance(value, str):
         if len(value) < schema.get("minLength", 0):
             errors.append(f"{path}: shorter than {schema['minLength']} characters")
