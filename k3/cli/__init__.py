@@ -17,6 +17,7 @@ COMMANDS = [
     "chat_template",
     "serve",
     "chat",
+    "eval",
 ]
 
 
