@@ -29,14 +29,16 @@ class SFTConfig(TrainConfig):
     thinking_effort: str = "low"  # conversations without their own `thinking_effort` render with this
     # Default data (no --data): oracle trajectories of the practice worlds' train tasks and generated
     # instruction-following items; held-out tasks / items (never trained on) score the evaluation.
+    worlds: list[str] = field(default_factory=lambda: ["mail", "chat", "notes", "course", "assistant"])
     world_tasks: int = 160  # train tasks per world
+    max_difficulty: int = 3  # world tasks of difficulty 1..max_difficulty (train mix and teacher-forced eval)
     instruct_items: int = 1200
     val_conversations: int = 48  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
     eval_tool_turns: int = 48
     eval_instruct_items: int = 40
-    eval_episodes: int = 12
+    eval_episodes: int = 4  # per world: its easiest held-out tasks
     eval_max_turns: int = 8
     eval_max_new_tokens: int = 96
     eval_base: bool = True
@@ -51,6 +53,10 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config on_bad={self.on_bad!r}: must be one of {ON_BAD}")
         if self.thinking_effort not in THINKING_EFFORTS:
             raise ConfigError(f"sft config thinking_effort={self.thinking_effort!r}: must be one of {THINKING_EFFORTS}")
+        if not isinstance(self.worlds, list) or not all(isinstance(w, str) for w in self.worlds):
+            raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
+        if self.max_difficulty not in (1, 2, 3):
+            raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
         for name in ("world_tasks", "instruct_items", "val_conversations", "eval_tool_turns", "eval_instruct_items",
                      "eval_episodes", "eval_max_turns", "eval_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)

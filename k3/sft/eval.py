@@ -5,8 +5,9 @@
   at least one call and every call names a declared tool with arguments valid against its JSON schema
   (k3.envs.schema.parse_call). `right_tool`: the first call's name equals the oracle's.
 * instruction following: held-out generated items (k3.sft.instruct), the response checked by code.
-* episodes: held-out world tasks, easiest first, played end to end through k3.envs.base.run_episode;
-  success = the hidden verifier's score is 1.
+* episodes: held-out world tasks played end to end through the loop of `k3 eval worlds`
+  (k3.envs.evaluate, k3.envs.base.run_episode); success = the hidden verifier's score is 1, reported
+  per difficulty (1 = easiest).
 
 Generation is greedy (temperature 0) and stops at <|end_of_msg|>; nothing the model writes can raise.
 """
@@ -17,62 +18,32 @@ import time
 from collections import defaultdict
 from typing import Any, Sequence
 
-import torch
-
-from k3.chat.parse import parse
-from k3.chat.render import render
-from k3.chat.xtml import END_OF_MSG
-from k3.envs.base import run_episode
 from k3.envs.schema import parse_call
-from k3.model.generate import SamplingParams, generate
 from k3.sft import instruct
 
 
-class ModelAgent:
-    """An in-process agent: renders the conversation (thinking mode at `thinking_effort`), generates the
-    assistant turn greedily, parses it into an OpenAI assistant message. `act` / `act_batch`."""
+def make_agent(model: Any, tokenizer: Any, *, thinking_effort: str = "low", max_new_tokens: int = 96,
+               memory_budget_bytes: int = 256 << 20) -> Any:
+    """A greedy in-process agent on `model` (k3.envs.llm_agent.EngineAgent: the serving engine, prefix cache,
+    continuous batching); close() it when done. The engine puts the model in eval mode."""
+    from k3.envs.llm_agent import AgentConfig, EngineAgent
+    from k3.serve.engine import EngineConfig
 
-    def __init__(self, model: Any, tokenizer: Any, *, thinking_effort: str = "low", max_new_tokens: int = 96,
-                 prefill_tokens: int = 16384) -> None:
-        self.model, self.tok = model, tokenizer
-        self.effort, self.max_new = thinking_effort, max_new_tokens
-        self.prefill_tokens = prefill_tokens  # prompts prefilled together (bounds the logits' memory)
-        self.stop = (tokenizer.special_id(END_OF_MSG),)
-
-    def act(self, messages: list[dict], tools: list[dict] | None) -> dict:
-        return self.act_batch([(messages, tools)])[0]
-
-    @torch.no_grad()
-    def act_batch(self, requests: Sequence[tuple[list[dict], list[dict] | None]]) -> list[dict]:
-        prompts = [render(m, self.tok, t or None, thinking_effort=self.effort, add_generation_prompt=True)[0]
-                   for m, t in requests]
-        was_training = self.model.training
-        self.model.eval()
-        outs: list[list[int]] = []
-        params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new, stop_ids=self.stop)
-        for group in _groups(prompts, self.prefill_tokens):
-            outs += generate(self.model, [prompts[i] for i in group], params)
-        self.model.train(was_training)
-        return [_assistant(parse(ids, self.tok)) for ids in outs]
+    cfg = AgentConfig(temperature=0.0, max_new_tokens=max_new_tokens, thinking_effort=thinking_effort)
+    return EngineAgent(model, tokenizer, cfg, engine_config=EngineConfig(memory_budget_bytes=memory_budget_bytes,
+                                                                         cuda_graphs=False))
 
 
-def _groups(prompts: list[list[int]], budget: int) -> list[list[int]]:
-    groups, cur, size = [], [], 0
-    for i, p in enumerate(prompts):
-        if cur and size + len(p) > budget:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += len(p)
-    return groups + ([cur] if cur else [])
+def _replies(agent: Any, requests: list[tuple[list[dict], list[dict] | None]]) -> list[dict]:
+    """Assistant messages for `requests`; a request the agent cannot serve (too long) gets an empty reply."""
+    out = agent.act_batch(requests, return_exceptions=True) if _takes_exceptions(agent) else agent.act_batch(requests)
+    return [r if isinstance(r, dict) else {"role": "assistant", "content": ""} for r in out]
 
 
-def _assistant(parsed: dict) -> dict:
-    msg = {"role": "assistant", "content": parsed.get("content", ""),
-           "reasoning_content": parsed.get("reasoning_content", "")}
-    if parsed.get("tool_calls"):
-        msg["tool_calls"] = parsed["tool_calls"]
-    return msg
+def _takes_exceptions(agent: Any) -> bool:
+    import inspect
+
+    return "return_exceptions" in inspect.signature(agent.act_batch).parameters
 
 
 # ----------------------------------------------------------------------------- tool calls
@@ -90,11 +61,11 @@ def tool_call_points(trajectories: Sequence[dict], limit: int) -> list[tuple[lis
     return points[:limit]
 
 
-def eval_tool_calls(agent: ModelAgent, trajectories: Sequence[dict], limit: int) -> dict[str, Any]:
+def eval_tool_calls(agent: Any, trajectories: Sequence[dict], limit: int) -> dict[str, Any]:
     points = tool_call_points(trajectories, limit)
     if not points:
         return {"n": 0}
-    replies = agent.act_batch([(msgs, tools) for msgs, tools, _ in points])
+    replies = _replies(agent, [(msgs, tools) for msgs, tools, _ in points])
     valid = right = 0
     for (_, tools, oracle), reply in zip(points, replies):
         calls = reply.get("tool_calls") or []
@@ -107,10 +78,10 @@ def eval_tool_calls(agent: ModelAgent, trajectories: Sequence[dict], limit: int)
 # ----------------------------------------------------------------------------- instructions
 
 
-def eval_instructions(agent: ModelAgent, items: Sequence[dict]) -> dict[str, Any]:
+def eval_instructions(agent: Any, items: Sequence[dict]) -> dict[str, Any]:
     if not items:
         return {"n": 0}
-    replies = agent.act_batch([([{"role": "user", "content": it["prompt"]}], None) for it in items])
+    replies = _replies(agent, [([{"role": "user", "content": it["prompt"]}], None) for it in items])
     kinds: dict[str, list[bool]] = defaultdict(list)
     for it, reply in zip(items, replies):
         kinds[it["kind"]].append(instruct.check(it, reply.get("content")))
@@ -122,31 +93,35 @@ def eval_instructions(agent: ModelAgent, items: Sequence[dict]) -> dict[str, Any
 # ----------------------------------------------------------------------------- episodes
 
 
-def eval_episodes(agent: ModelAgent, tasks: Sequence[tuple[str, int]], make_world: Any,
-                  max_turns: int) -> dict[str, Any]:
-    """tasks: (world name, held-out seed) pairs; make_world(name) -> a fresh Environment."""
-    if not tasks:
+def eval_episodes(agent: Any, worlds: Sequence[str], tasks_per_world: int, max_turns: int,
+                  registry: Any = None) -> dict[str, Any]:
+    """The first `tasks_per_world` held-out tasks of each world, played through the `k3 eval worlds` loop
+    (k3.envs.evaluate.evaluate_worlds, episodes in parallel on the shared agent): success overall, per
+    world and per difficulty (1 = easiest)."""
+    if not worlds or not tasks_per_world:
         return {"n": 0}
-    per: dict[str, list[float]] = defaultdict(list)
-    for world, seed in tasks:
-        env = make_world(world)
-        try:
-            ep = run_episode(env, agent, seed, max_turns=max_turns)
-        finally:
-            env.close()
-        per[world].append(ep.reward.score)
-    scores = [s for v in per.values() for s in v]
-    return {"n": len(scores), "success": sum(s >= 1.0 for s in scores) / len(scores),
-            "mean_reward": sum(scores) / len(scores),
-            "per_world": {w: sum(s >= 1.0 for s in v) / len(v) for w, v in sorted(per.items())}}
+    from k3.envs.evaluate import WorldsEvalConfig, evaluate_worlds, shared
+
+    cfg = WorldsEvalConfig(worlds=tuple(worlds), tasks=tasks_per_world, split="heldout", max_turns=max_turns)
+    eps = evaluate_worlds(shared(agent), cfg, registry)["episodes"]
+    by_world, by_level = defaultdict(list), defaultdict(list)
+    for e in eps:
+        by_world[e["world"]].append(e["success"])
+        by_level[e["difficulty"]].append(e["success"])
+    rate = lambda v: sum(v) / len(v)  # noqa: E731
+    return {"n": len(eps), "success": rate([e["success"] for e in eps]),
+            "mean_reward": sum(e["score"] for e in eps) / len(eps),
+            "per_world": {w: rate(v) for w, v in sorted(by_world.items())},
+            "per_difficulty": {str(k): rate(v) for k, v in sorted(by_level.items())},
+            "errors": sum(e["agent_error"] is not None or e["env_error"] is not None for e in eps)}
 
 
-def evaluate_behaviour(agent: ModelAgent, heldout: Any, max_turns: int) -> dict[str, Any]:
+def evaluate_behaviour(agent: Any, heldout: Any, max_turns: int) -> dict[str, Any]:
     """All three evaluations on `heldout` (k3.sft.sources.HeldOut) -> one JSON-able record."""
     t0 = time.perf_counter()
     rec = {"tool_calls": eval_tool_calls(agent, heldout.trajectories, heldout.tool_turns),
            "instruct": eval_instructions(agent, heldout.instruct_items),
-           "episodes": eval_episodes(agent, heldout.tasks, heldout.make_world, max_turns)}
+           "episodes": eval_episodes(agent, heldout.worlds, heldout.tasks_per_world, max_turns, heldout.registry)}
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -160,5 +135,6 @@ def summary(rec: dict[str, Any]) -> str:
     if ins.get("n"):
         parts.append(f"instructions {ins['pass']:.0%} ({ins['n']})")
     if ep.get("n"):
-        parts.append(f"episodes success {ep['success']:.0%} ({ep['n']})")
+        levels = " ".join(f"d{k} {v:.0%}" for k, v in ep["per_difficulty"].items())
+        parts.append(f"episodes success {ep['success']:.0%} ({ep['n']}; {levels})")
     return "; ".join(parts) + f" [{rec.get('seconds', 0):.0f} s]"

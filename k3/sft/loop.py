@@ -73,8 +73,9 @@ class SFTTrainer(Trainer):
             n_val = min(cfg.val_conversations, len(convs) // 10)
             val, train = convs[:n_val], convs[n_val:]
         else:
-            train = sources.default_train_conversations(cfg.world_tasks, cfg.instruct_items)
-            val = sources.validation_conversations(cfg.val_conversations)
+            train = sources.default_train_conversations(cfg.worlds, cfg.world_tasks, cfg.max_difficulty,
+                                                        cfg.instruct_items)
+            val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations)
         packed = self._pack(train)
         B = cfg.tokens_per_step // cfg.seq_len
         loader = SFTLoader(packed, B, seed=cfg.seed)
@@ -103,7 +104,8 @@ class SFTTrainer(Trainer):
         if self.heldout is None:
             cfg = self.cfg
             try:
-                self.heldout = sources.default_heldout(cfg.eval_tool_turns, cfg.eval_instruct_items, cfg.eval_episodes)
+                self.heldout = sources.default_heldout(cfg.worlds, cfg.max_difficulty, cfg.eval_tool_turns,
+                                                       cfg.eval_instruct_items, cfg.eval_episodes)
             except ImportError as e:  # no practice worlds in this install: instruction items only
                 self.progress.message(f"note: no world evaluation ({e})")
                 self.heldout = sources.HeldOut(instruct_items=instruct.instruct_items(
@@ -113,10 +115,18 @@ class SFTTrainer(Trainer):
     def evaluate_behaviour(self) -> dict[str, Any] | None:
         if not self.main or self.par is not None:
             return None  # generation runs on one process (rank 0 of a torchrun job writes nothing here)
-        agent = sft_eval.ModelAgent(self.model, self.tokenizer, thinking_effort=self.cfg.thinking_effort,
+        heldout = self._heldout()
+        # the serving engine picks its own KDA backend: training continues on the one it had
+        backends = {m: m.kda_backend for m in self.model.modules() if hasattr(m, "kda_backend")}
+        agent = sft_eval.make_agent(self.model, self.tokenizer, thinking_effort=self.cfg.thinking_effort,
                                     max_new_tokens=self.cfg.eval_max_new_tokens)
-        with self._autocast():
-            rec = sft_eval.evaluate_behaviour(agent, self._heldout(), self.cfg.eval_max_turns)
+        try:
+            rec = sft_eval.evaluate_behaviour(agent, heldout, self.cfg.eval_max_turns)
+        finally:
+            agent.close()
+            for m, b in backends.items():
+                m.kda_backend = b
+            self.model.train()
         label = "base" if self.step == 0 else f"step {self.step}"
         self.log.write({"step": self.step, "behaviour": rec})
         self.behaviour.append({"step": self.step, **rec})

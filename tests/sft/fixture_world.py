@@ -31,7 +31,7 @@ class KeyWorld(Environment):
         self.key, self.answer = f"k{rng.randint(0, 4)}", None
         msgs = [{"role": "system", "content": "You are an agent. Use the tools."},
                 {"role": "user", "content": f"What is stored under {self.key}? Look it up and submit it."}]
-        return msgs, TaskInfo("keys", str(seed), seed, difficulty=1 + seed % 2)
+        return msgs, TaskInfo("keys", str(seed), seed, difficulty=1 + (seed // 2) % 2)
 
     def tool_specs(self):
         return TOOLS
@@ -69,8 +69,14 @@ class Oracle:
         return {"role": "assistant", "reasoning_content": "", "content": "Done."}
 
 
-def task_seeds(split, n, world="keys"):
-    return list(range(n)) if split == "train" else list(range(10_000, 10_000 + n))
+def task_seeds(split, n, world="keys", start=0):
+    """Even seeds train, odd seeds held out."""
+    out, s = [], start
+    while len(out) < n:
+        if s % 2 == (split != "train"):
+            out.append(s)
+        s += 1
+    return out
 
 
 def oracle_trajectories(world, seeds):

@@ -23,8 +23,8 @@ class Replay:
 
 
 def test_scores_of_a_perfect_and_a_wrong_agent(worlds):
-    held = sources.default_heldout(tool_turns=6, instruct_n=12, episodes=3)
-    assert [w for w, _ in held.tasks] == ["keys"] * 3
+    held = sources.default_heldout(["keys"], 3, tool_turns=12, instruct_n=12, episodes_per_world=3)
+    assert len(held.trajectories) == 6 and held.registry.task_seeds("heldout", 3, "keys") == [1, 5, 9]  # difficulty 1 first
     perfect = Replay(held.trajectories, held.instruct_items)
     tc = sft_eval.eval_tool_calls(perfect, held.trajectories, 6)
     assert tc == {"n": 6, "valid": 1.0, "right_tool": 1.0}
@@ -40,11 +40,15 @@ def test_scores_of_a_perfect_and_a_wrong_agent(worlds):
     assert tc == {"n": 12, "valid": 0.0, "right_tool": 0.5}  # a declared tool, but its schema is violated
 
 
-def test_model_agent_on_an_untrained_model_never_raises(worlds, base_dir, tokenizer):
+def test_engine_agent_on_an_untrained_model_never_raises(worlds, base_dir, tokenizer):
     model = K3ForCausalLM.from_pretrained(base_dir, dtype="float32")
-    agent = sft_eval.ModelAgent(model, tokenizer, max_new_tokens=4)
-    held = sources.default_heldout(tool_turns=1, instruct_n=1, episodes=1)
-    rec = sft_eval.evaluate_behaviour(agent, held, max_turns=2)
+    agent = sft_eval.make_agent(model, tokenizer, max_new_tokens=4, memory_budget_bytes=64 << 20)
+    held = sources.default_heldout(["keys"], 3, tool_turns=1, instruct_n=1, episodes_per_world=1)
+    try:
+        rec = sft_eval.evaluate_behaviour(agent, held, max_turns=2)
+    finally:
+        agent.close()
     assert rec["tool_calls"]["n"] == 1 and rec["instruct"]["n"] == 1 and rec["episodes"]["n"] == 1
-    assert 0 <= rec["episodes"]["success"] <= 1 and "tool-call valid" in sft_eval.summary(rec)
+    assert rec["episodes"]["errors"] == 0 and rec["episodes"]["success"] == 0.0
+    assert "tool-call valid" in sft_eval.summary(rec)
     assert not instruct.check(held.instruct_items[0], None)

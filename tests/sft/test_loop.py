@@ -18,7 +18,7 @@ from k3.train.metrics import read_metrics
 def _cfg(base, out, **kw):
     d = dict(base=str(base), out=str(out), max_steps=4, seed=0, deterministic=True, tokens_per_step=1024,
              stages=[{"seq_len": 512, "fraction": 1.0}], eval_every=2, save_every=100, warmup_steps=1,
-             world_tasks=3, instruct_items=12, val_conversations=4, eval_tool_turns=2, eval_instruct_items=2,
+             worlds=["keys"], world_tasks=3, instruct_items=12, val_conversations=4, eval_tool_turns=2, eval_instruct_items=2,
              eval_episodes=1, eval_max_turns=2, eval_max_new_tokens=4, qb_bins=64)
     d.update(kw)
     return SFTConfig.from_dict(d).validate()
@@ -56,7 +56,7 @@ def test_run_outputs_and_resume_exactness(base_dir, tmp_path, worlds, monkeypatc
     assert [r["step"] for r in beh] == [0, 4] == [b["step"] for b in behaviour]
     for r in beh:
         assert r["behaviour"]["tool_calls"]["n"] == 2 and r["behaviour"]["instruct"]["n"] == 2
-        assert r["behaviour"]["episodes"]["n"] == 1
+        assert r["behaviour"]["episodes"]["n"] == 1 and r["behaviour"]["episodes"]["errors"] == 0
     assert json.loads((a / "train_config.json").read_text())["base"] == str(base_dir)
     K3ForCausalLM.from_pretrained(a / "final")  # the official format loads
 
