@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from k3.config import ConfigError, K3Config
 from k3.data.tokenizer import load_tokenizer
 from k3.model.causal_lm import K3ForCausalLM
@@ -35,6 +37,13 @@ def _require_base(cfg: SFTConfig) -> str:
     if not os.path.isfile(os.path.join(cfg.base, "config.json")):
         raise FileNotFoundError(f"--base {cfg.base}: no config.json (expected an official-format checkpoint dir)")
     return cfg.base
+
+
+def _target_entropy(targets: np.ndarray) -> float:
+    """Unigram entropy (nats) of the trained targets: the loss of always predicting their frequencies."""
+    counts = np.bincount(targets[targets >= 0].ravel())
+    p = counts[counts > 0] / max(1, counts.sum())
+    return float(-(p * np.log(p)).sum())
 
 
 class SFTTrainer(Trainer):
@@ -84,7 +93,7 @@ class SFTTrainer(Trainer):
         log(f"sft data: {packed.num_conversations} train conversations in {packed.num_rows} rows of {cfg.seq_len} "
             f"({packed.num_targets:,} assistant targets, {packed.truncated} cut at the row length); "
             f"{len(val)} held-out conversations; {cfg.max_steps * B / packed.num_rows:.2f} epochs")
-        return TrainData(self.tokenizer, loader, vb, float("nan"), packed.num_targets)
+        return TrainData(self.tokenizer, loader, vb, _target_entropy(packed.y), packed.num_targets)
 
     def _pack(self, convs: list[dict]):
         docs = [encode_conversation(c, self.tokenizer, self.cfg.thinking_effort) for c in convs]
