@@ -30,17 +30,17 @@ class SFTConfig(TrainConfig):
     # Default data (no --data): oracle trajectories of the practice worlds' train tasks and generated
     # instruction-following items; held-out tasks / items (never trained on) score the evaluation.
     worlds: list[str] = field(default_factory=lambda: ["mail", "chat", "notes", "course", "assistant"])
-    world_tasks: int = 160  # train tasks per world
+    world_tasks: int = 40  # train tasks per world
     max_difficulty: int = 3  # world tasks of difficulty 1..max_difficulty (train mix and teacher-forced eval)
-    instruct_items: int = 1200
-    val_conversations: int = 48  # held-out conversations for the validation loss
+    instruct_items: int = 400
+    val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
-    eval_tool_turns: int = 48
-    eval_instruct_items: int = 40
-    eval_episodes: int = 4  # per world: its easiest held-out tasks
+    eval_tool_turns: int = 40
+    eval_instruct_items: int = 30
+    eval_episodes: int = 2  # per world: its easiest held-out tasks
     eval_max_turns: int = 8
-    eval_max_new_tokens: int = 96
+    eval_max_new_tokens: int = 192
     eval_base: bool = True
     behavior_eval_every: int = 0
 
@@ -74,10 +74,10 @@ class SFTConfig(TrainConfig):
         return super().from_dict(d)  # type: ignore[return-value]
 
 
-# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 1024 tokens, 4 rows a
-# step, a short warmup and a learning rate a little under pre-training's.
+# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 4096 tokens (a whole
+# world trajectory with its tool declaration fits), 2 rows a step, a short warmup.
 SFT_DEFAULTS: dict[str, Any] = {
-    "max_steps": 150, "tokens_per_step": 4096, "stages": [Stage(1024, 1.0)],
-    "lr": 2e-3, "adamw_lr": 2e-3, "warmup_steps": 10, "decay_fraction": 0.3,
-    "eval_every": 50, "save_every": 50,
+    "max_steps": 40, "tokens_per_step": 8192, "stages": [Stage(4096, 1.0)],
+    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 4, "decay_fraction": 0.3,
+    "eval_every": 20, "save_every": 20,
 }
