@@ -86,12 +86,16 @@ class SFTTrainer(Trainer):
                                                         cfg.instruct_items)
             val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations)
         packed = self._pack(train)
+        if packed.num_rows == 0:
+            raise ConfigError(f"no conversation has an assistant token within its first seq_len={cfg.seq_len} tokens; "
+                              "raise the stage's seq_len with --config")
         B = cfg.tokens_per_step // cfg.seq_len
         loader = SFTLoader(packed, B, seed=cfg.seed)
         vb = val_batches(self._pack(val), max(1, (cfg.micro_batch_tokens or cfg.tokens_per_step) // cfg.seq_len)) \
             if val else []
         log(f"sft data: {packed.num_conversations} train conversations in {packed.num_rows} rows of {cfg.seq_len} "
-            f"({packed.num_targets:,} assistant targets, {packed.truncated} cut at the row length); "
+            f"({packed.num_targets:,} assistant targets, {packed.truncated} cut at the row length, {packed.dropped} "
+            f"without an assistant token in it dropped); "
             f"{len(val)} held-out conversations; {cfg.max_steps * B / packed.num_rows:.2f} epochs")
         return TrainData(self.tokenizer, loader, vb, _target_entropy(packed.y), packed.num_targets)
 

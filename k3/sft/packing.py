@@ -9,7 +9,8 @@ all ones this is exactly the pre-training target of one document.
 
 Rows: whole conversations are placed into rows of T tokens (best fit, longest first); the rest of a row is
 padding (its own cu_seqlens segment, targets -100). A conversation longer than T is cut to its first T
-tokens (the rest is not trained on; `PackedData.truncated` counts them). Every conversation starts a
+tokens (the rest is not trained on; `PackedData.truncated` counts them); one with no assistant token
+left in those T tokens is dropped (`PackedData.dropped`). Every conversation starts a
 cu_seqlens segment, so KDA state, the short conv and MLA attention never cross conversations.
 """
 
@@ -50,13 +51,15 @@ def targets_from_mask(ids: Sequence[int], mask: Sequence[int]) -> tuple[np.ndarr
 @dataclass
 class PackedData:
     """Rows of packed conversations. x, y: [R, T] int64; starts[r]: ascending segment starts in row r
-    (0 first; padding, if any, is the last segment). truncated: conversations cut at T."""
+    (0 first; padding, if any, is the last segment). truncated: conversations cut at T; dropped: those
+    with no assistant target within their first T tokens (not packed)."""
 
     x: np.ndarray
     y: np.ndarray
     starts: list[np.ndarray]
     num_conversations: int
     truncated: int
+    dropped: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -83,7 +86,8 @@ def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: in
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     truncated = sum(len(x) > seq_len for x, _ in docs)
-    docs = [(x[:seq_len], y[:seq_len]) for x, y in docs]
+    cut = [(x[:seq_len], y[:seq_len]) for x, y in docs]
+    docs = [(x, y) for x, y in cut if (y != IGNORE_INDEX).any()]  # nothing left to learn: not packed
     order = sorted(range(len(docs)), key=lambda i: -len(docs[i][0]))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -112,7 +116,7 @@ def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: in
         if at < seq_len:
             s.append(at)  # the padding's own segment
         starts.append(np.asarray(s, dtype=np.int64))
-    return PackedData(X, Y, starts, len(docs), truncated)
+    return PackedData(X, Y, starts, len(docs), truncated, len(cut) - len(docs))
 
 
 def collate(data: PackedData, rows: Sequence[int]) -> Batch:

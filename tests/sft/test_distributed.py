@@ -34,7 +34,7 @@ def test_torchrun_sft_matches_one_process(base_dir, tmp_path):
              for w in ("owls", "bees", "tea", "kites", "maps", "honey", "clocks", "rivers")] * 3
     data = tmp_path / "c.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
-    cfg = {"tokens_per_step": 512, "stages": [{"seq_len": 256, "fraction": 1.0}], "warmup_steps": 1,
+    cfg = {"tokens_per_step": 2048, "stages": [{"seq_len": 1024, "fraction": 1.0}], "warmup_steps": 1,
            "eval_every": 100, "eval_instruct_items": 0, "eval_tool_turns": 0, "eval_episodes": 0, "qb_bins": 64}
     data.with_suffix(".cfg.json").write_text(json.dumps(cfg))
     one = _sft(base_dir, data, tmp_path / "one", torchrun=False)

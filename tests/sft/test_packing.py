@@ -13,7 +13,7 @@ def _docs(lengths):
 def test_pack_keeps_documents_whole_with_boundaries():
     lengths = [7, 3, 5, 9, 2, 12]
     data = pack(_docs(lengths), 10, pad_id=0)
-    assert data.truncated == 1 and data.num_conversations == 6
+    assert data.truncated == 1 and data.num_conversations == 6 and data.dropped == 0
     seen = []
     for r in range(data.num_rows):
         s = list(data.starts[r]) + [10]
@@ -30,6 +30,13 @@ def test_pack_keeps_documents_whole_with_boundaries():
     b = collate(data, [1, 0])
     assert b.input_ids.shape == (1, 20) and b.cu_seqlens[0] == 0 and b.cu_seqlens[-1] == 20
     assert b.num_targets == int((b.labels != -100).sum()) and 10 in b.cu_seqlens.tolist()
+
+
+def test_documents_without_targets_in_the_row_are_dropped():
+    late = targets_from_mask(list(range(1, 13)), [0] * 10 + [1, 1])  # its targets lie past seq_len
+    data = pack([late] + _docs([4]), 8, pad_id=0)
+    assert (data.num_conversations, data.truncated, data.dropped, data.num_rows) == (1, 1, 1, 1)
+    assert pack([late], 8, pad_id=0).num_rows == 0
 
 
 def test_loader_order_resume_and_errors():
