@@ -36,11 +36,11 @@ class SFTConfig(TrainConfig):
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
-    eval_tool_turns: int = 40
-    eval_instruct_items: int = 30
-    eval_episodes: int = 2  # per world: its easiest held-out tasks
+    eval_tool_turns: int = 30
+    eval_instruct_items: int = 24
+    eval_episodes: int = 1  # per world: its easiest held-out task(s)
     eval_max_turns: int = 8
-    eval_max_new_tokens: int = 192
+    eval_max_new_tokens: int = 160  # an oracle turn is ~86 tokens (median), ~141 (p90)
     eval_base: bool = True
     behavior_eval_every: int = 0
 
