@@ -35,15 +35,10 @@ def make_agent(model: Any, tokenizer: Any, *, thinking_effort: str = "low", max_
 
 
 def _replies(agent: Any, requests: list[tuple[list[dict], list[dict] | None]]) -> list[dict]:
-    """Assistant messages for `requests`; a request the agent cannot serve (too long) gets an empty reply."""
-    out = agent.act_batch(requests, return_exceptions=True) if _takes_exceptions(agent) else agent.act_batch(requests)
+    """Assistant messages for `requests` (agent.act_batch as EngineAgent's); a request the agent cannot
+    serve (longer than the context) gets an empty reply, which scores as a failure."""
+    out = agent.act_batch(requests, return_exceptions=True)
     return [r if isinstance(r, dict) else {"role": "assistant", "content": ""} for r in out]
-
-
-def _takes_exceptions(agent: Any) -> bool:
-    import inspect
-
-    return "return_exceptions" in inspect.signature(agent.act_batch).parameters
 
 
 # ----------------------------------------------------------------------------- tool calls

@@ -11,7 +11,7 @@ class Replay:
     def __init__(self, trajs, items):
         self.trajs, self.items = trajs, {it["prompt"]: it for it in items}
 
-    def act_batch(self, requests):
+    def act_batch(self, requests, return_exceptions=False):
         out = []
         for msgs, tools in requests:
             if tools is None:
@@ -31,7 +31,7 @@ def test_scores_of_a_perfect_and_a_wrong_agent(worlds):
     assert sft_eval.eval_instructions(perfect, held.instruct_items)["pass"] == 1.0
 
     class Wrong:
-        def act_batch(self, requests):
+        def act_batch(self, requests, return_exceptions=False):
             return [{"role": "assistant", "content": "no", "tool_calls": [
                 {"id": "x", "type": "function", "function": {"name": "submit", "arguments": '{"value": "NaN"}'}}]}
                 for _ in requests]
