@@ -13,6 +13,7 @@ COMMANDS = [
     "info",
     "generate",
     "train",
+    "sft",
     "chat_template",
     "serve",
     "chat",

@@ -59,7 +59,7 @@ class Trainer:
             self.device = self.par.device
         self.main = self.par is None or self.par.is_main
         self.world = 1 if self.par is None else self.par.mesh.world
-        self.model_config = self._model_config()
+        self.model_config = self.make_model_config()
         self._check_memory()  # before anything is written or tokenised
         self.out = cfg.out or time.strftime("runs/%Y%m%d-%H%M%S")
         self.ckpt_dir = os.path.join(self.out, "checkpoint")
@@ -76,13 +76,13 @@ class Trainer:
 
         if self.par is not None and not self.main:
             self.par.barrier()  # rank 0 tokenises and fills the cache first
-        self.data: TrainData = prepare_data(cfg, self.model_config, self.progress.message)
+        self.data: TrainData = self.make_data()
         os.makedirs(self.out, exist_ok=True)  # after the data: a bad corpus leaves no empty run behind
         if self.main and not resume:
             save_run_config(self.out, cfg.to_dict() | {"out": self.out})
         if self.par is not None and self.main:
             self.par.barrier()
-        self.model = K3ForCausalLM(self.model_config).init_weights(seed=cfg.seed).to(self.device)
+        self.model = self.make_model().to(self.device)
         self.num_params = self.model.num_parameters()
         self.peak = peak_bf16_flops(self.device)  # None on CPU / unknown GPUs: no MFU then
         if self.device.type == "cpu":
@@ -123,8 +123,17 @@ class Trainer:
             self._resume()
         self.log = MetricsLog(os.path.join(self.out, "metrics.jsonl") if self.main else os.devnull, resume=resume)
 
-    # ---- setup --------------------------------------------------------------------------------
-    def _model_config(self) -> K3Config:
+    # ---- setup (the make_* hooks are what a fine-tuning loop such as k3.sft overrides) -----------
+    def make_data(self) -> TrainData:
+        """The batch source: `loader` (set_shape / next / state_dict / load_state_dict), validation
+        batches and the tokenizer. Pre-training: the packed corpus of `cfg.data`."""
+        return prepare_data(self.cfg, self.model_config, self.progress.message)
+
+    def make_model(self) -> K3ForCausalLM:
+        """The initial weights (on CPU; the caller moves them). Pre-training: a fresh init from `cfg.seed`."""
+        return K3ForCausalLM(self.model_config).init_weights(seed=self.cfg.seed)
+
+    def make_model_config(self) -> K3Config:
         mc = get_preset(self.cfg.preset)
         overrides = dict(self.cfg.model)
         vocab = self.cfg.vocab_size
@@ -179,7 +188,7 @@ class Trainer:
     def _resume(self) -> None:
         st = load_state(self.ckpt_dir)
         # Through from_dict: keys added to TrainConfig after the checkpoint was written take their defaults.
-        saved = TrainConfig.from_dict(st["train_config"]).to_dict()
+        saved = type(self.cfg).from_dict(st["train_config"]).to_dict()
         if saved != self.cfg.to_dict() | {"out": saved["out"]}:
             changed = sorted(k for k, v in self.cfg.to_dict().items() if k != "out" and saved.get(k) != v)
             raise ConfigError(f"cannot resume: the training config differs from the checkpoint's in {changed}")
