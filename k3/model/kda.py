@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from k3.config import TextConfig
-from k3.model.cache import HybridCache, SeqLayout
+from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, linear_multi
 from k3.model.step_weights import StepCache, StepLinear
@@ -174,7 +174,7 @@ class KDAttention(nn.Module):
             frac = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), 0.0)) / -self.lower_bound
             self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))  # logit
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: DecodeCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> KDA output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
@@ -194,7 +194,7 @@ class KDAttention(nn.Module):
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
-        if getattr(cache, "static_shapes", False):
+        if cache is not None and cache.static_shapes:
             o, final = self._decode_step(q, k, v, f, b.float(), initial)
         else:
             o, final = kda(

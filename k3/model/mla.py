@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from k3.config import TextConfig
-from k3.model.cache import HybridCache, SeqLayout
+from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
 from k3.model.step_weights import StepLinear
@@ -111,7 +111,7 @@ class GatedMLA(nn.Module):
         q, kv, *g = (t.reshape(B, T, -1) for t in fan[1:])
         return (self._q_from(q), *self._latent_from(kv), g[0] if g else None)
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: DecodeCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
@@ -162,9 +162,9 @@ class GatedMLA(nn.Module):
         return o.transpose(1, 2)
 
     # -- attention against the latent cache -------------------------------------------------------
-    def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: HybridCache) -> torch.Tensor:
+    def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: DecodeCache) -> torch.Tensor:
         q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
-        if getattr(cache, "paged_mla", False) and q_pad.shape[1] == 1:
+        if cache.paged_mla and q_pad.shape[1] == 1:
             # serving decode: the kernel reads each row's valid pages in place (no gather, no padded bucket)
             pages, tables, lens = cache.mla_write(self.layer_idx, lat_pad)
             return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
@@ -172,7 +172,7 @@ class GatedMLA(nn.Module):
         if not cache.absorb_mla:  # prefill (static decode caches always absorb)
             return _from_padded(self._prefill_rows(q_pad, buf, layout), layout, q.shape[1])
         N, Tq = q_pad.shape[:2]
-        if getattr(cache, "static_shapes", False):
+        if cache.static_shapes:
             S = buf.shape[1]  # CUDA-graph decode: attend over every gathered row, the mask hides the rest
         else:
             S = int((layout.past_lens + layout.new_lens).max()) if N else 0
