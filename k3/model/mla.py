@@ -15,6 +15,7 @@ from k3.config import TextConfig
 from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
+from k3.model.segment import SegmentHooks
 from k3.model.step_weights import StepLinear
 from k3.ops.triton_utils import env_flag
 
@@ -52,6 +53,8 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = StepLinear(d, H * self.v_dim)
         self.o_proj = StepLinear(H * self.v_dim, d)
+        # keys/values from outside when this layer runs on one segment of a row (context parallelism)
+        self.segment_hooks: SegmentHooks | None = None
 
     def _q_first(self) -> StepLinear:
         """The GEMM that reads x for the queries: q_proj, or q_a_proj of the low-rank path."""
@@ -115,6 +118,10 @@ class GatedMLA(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
+        if self.segment_hooks is not None:  # one segment of a row: keys/values come from the hooks
+            if cache is not None:
+                raise ValueError("GatedMLA: segment hooks (context parallel) are for training forwards; cache must be None")
+            return self._out(x, self._attend_segment(self._q(x), self._latent(x), layout), residual)
         if cache is None:  # the latent's parts go straight to the expansion (no concatenation to split again)
             fan = self._fan_in(x)
             if fan is not None:
@@ -159,6 +166,13 @@ class GatedMLA(nn.Module):
             idx = torch.arange(T, device=q.device)
             mask = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
             o = _sdpa(q, k, v, mask, causal=False, scale=self.scale)
+        return o.transpose(1, 2)
+
+    def _attend_segment(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """q [1, T, H, qk] against the latents `segment_hooks` provide ([1, S, D] with a [T, S] mask)."""
+        full, mask = self.segment_hooks.mla_kv_source(lat, layout)
+        k, v = self._expand(full)
+        o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal=False, scale=self.scale)
         return o.transpose(1, 2)
 
     # -- attention against the latent cache -------------------------------------------------------
