@@ -45,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
     from k3.model.causal_lm import K3ForCausalLM
     from k3.model.generate import SamplingParams, generate_stream
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens)
     if args.checkpoint:
         dtype = args.dtype or ("float32" if args.device == "cpu" else None)  # None: the checkpoint's dtype
         model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
@@ -58,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint and isinstance(tok, _ByteIds):
         print(f"error: no tokenizer files in {tok_dir} (pass --tokenizer DIR)", file=sys.stderr)
         return 2
-    params.stop_ids = (tok.eos_id,) if tok.eos_id >= 0 else ()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_new_tokens, stop_token_ids=(tok.eos_id,) if tok.eos_id >= 0 else ())
     ids = tok.encode(args.prompt) if args.prompt else [getattr(tok, "bos_id", 0)]
     model.eval()
     print(args.prompt, end="", flush=True)
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     shown = ""
     t0 = time.perf_counter()
     for _, tok_id in generate_stream(model, [ids], params, seed=args.seed):
-        if tok_id in params.stop_ids:
+        if tok_id in params.stop_token_ids:
             break
         out.append(tok_id)
         text = tok.decode(out)

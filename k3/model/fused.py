@@ -38,7 +38,7 @@ from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.router import router_logits
 from k3.ops.situ import situ_glu
-from k3.ops.triton_utils import env_flag, triton_runs_on
+from k3.ops.backend import env_flag, triton_runs_on
 
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype

@@ -17,7 +17,7 @@ from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
 from k3.model.segment import SegmentHooks
 from k3.model.step_weights import StepLinear
-from k3.ops.triton_utils import env_flag
+from k3.ops.backend import env_flag
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
