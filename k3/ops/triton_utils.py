@@ -3,7 +3,7 @@
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
 The knobs (`env_tile` / `env_int` / `env_int_opt` / `env_flag`) and `triton_runs_on` live in the Triton-free
-`k3.ops.backend`, re-exported here for the kernels.
+`k3.ops.backend` (importable without Triton).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from k3.ops.backend import env_flag, env_int, env_int_opt, env_tile, triton_runs_on  # noqa: F401 - kernels' knobs
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 

@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.backend import env_int, env_tile
 from k3.ops.grouped_gemm.reference import check_offs
-from k3.ops.triton_utils import INTERPRETED, env_int, env_tile
+from k3.ops.triton_utils import INTERPRETED
 
 
 @triton.jit
