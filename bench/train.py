@@ -34,7 +34,7 @@ from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.compile import compile_model
 from k3.model.fused import TRITON_BY_DEFAULT
-from k3.ops.triton_utils import env_flag
+from k3.ops.backend import env_flag
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 from k3.train import flops as train_flops
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from k3.data import synth_vision
-from k3.data.images import pil_to_tensor
+from k3.media import pil_to_tensor
 from k3.model.vision import MoonViTEncoder
-from k3.model.vision_config import tiny_vision_config
+from k3.vision_config import tiny_vision_config
 
 
 def _encoder(hidden: int, layers: int, text_hidden: int) -> MoonViTEncoder:

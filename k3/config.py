@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from k3.vision_config import VisionConfig, tiny_vision_config  # the typed view; K3Config keeps the raw dict
+
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message names the field and the rule."""
@@ -324,8 +326,6 @@ def _validate_text(t: TextConfig) -> None:
 
 
 def _validate_vision(cfg: K3Config) -> None:
-    from k3.model.vision_config import VisionConfig  # the typed view; this module keeps the raw dict
-
     v = VisionConfig.from_dict(cfg.vision_config, text_hidden_size=cfg.text_config.hidden_size)
     _require(v.text_hidden_size == cfg.text_config.hidden_size, "vision_config.text_hidden_size",
              v.text_hidden_size, f"must equal text_config.hidden_size ({cfg.text_config.hidden_size})")
@@ -397,8 +397,6 @@ def k3_tiny() -> K3Config:
 def k3_tiny_vl() -> K3Config:
     """k3-tiny plus a CPU-sized MoonViT tower (2 layers, hidden 64) and patchmergerv2 projector into
     the 256-wide text model; media ids are k3's own tokenizer specials (pad = base + 21)."""
-    from k3.model.vision_config import tiny_vision_config
-
     cfg = k3_tiny()
     cfg.vision_config = tiny_vision_config(cfg.text_config.hidden_size).to_dict()
     return cfg.validate()

@@ -10,7 +10,7 @@ one such prompt wherever an image part (or `<|kimi_image_placeholder|>`) occurs,
 model replaces the `<|media_pad|>` embeddings, row-major, by the encoder's output.
 
 `load_chat_media` walks OpenAI-style messages in the order the renderer emits them, loads every
-image/video part (`k3.data.images`: data: URIs, local paths; no network), and returns the media
+image/video part (`k3.media`: data: URIs, local paths; no network), and returns the media
 tensors, their prompts and the messages with video parts rewritten as image parts (the renderer
 treats every media part alike; the prompt text carries the kind).
 """
@@ -22,22 +22,20 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from PIL import Image
 
 from k3.chat.errors import ChatFormatError
-from k3.chat.render import _message_list, _order_tool_results
+from k3.chat.render import message_list, order_tool_results
 from k3.chat.xtml import IMAGE_PLACEHOLDER
-from k3.data.images import (
+from k3.media import (
     MAX_IMAGE_BYTES,
     MAX_VIDEO_FRAMES,
     ImageError,
     decode_frames,
     decode_image,
-    peek_image,
-    read_image_bytes,
+    peek_source,
     stack_frames,
 )
-from k3.model.vision import VisionConfig, num_media_tokens, num_video_tokens
+from k3.vision_config import VisionConfig, num_media_tokens, num_video_tokens
 
 MEDIA_BEGIN = "<|media_begin|>"
 MEDIA_CONTENT = "<|media_content|>"
@@ -134,10 +132,10 @@ def find_media_parts(messages: Sequence[dict]) -> list[MediaPart]:
     Raises ChatFormatError for malformed messages and for a literal `<|kimi_image_placeholder|>`
     in text (media must come as content parts, so typed text can never inject media tokens).
     """
-    msgs = _message_list(messages)
+    msgs = message_list(messages)
     index = {id(m.get("content")): i for i, m in enumerate(msgs)}
     parts: list[MediaPart] = []
-    for m in _order_tool_results(msgs):  # tool results are rendered in call order
+    for m in order_tool_results(msgs):  # tool results are rendered in call order
         if m["role"] == "system" and m.get("tools"):
             continue  # a tool-declaring system message renders no content
         content = m.get("content")
@@ -195,13 +193,7 @@ class ChatMedia(NamedTuple):
 
 def _head(src: Any, cfg: VisionConfig, max_bytes: int, allow_local: bool) -> tuple[Any, int, int, int]:
     """(lazy image, width, height, frames) from the header only; a PIL image is checked as is."""
-    if isinstance(src, Image.Image):
-        w, h = src.size
-        if not (0 < w <= cfg.max_image_size and 0 < h <= cfg.max_image_size):
-            raise ImageError(f"image is {w}x{h} pixels; sides must be in [1, {cfg.max_image_size}]")
-        return src, w, h, 1
-    data = read_image_bytes(src, max_bytes=max_bytes, allow_local=allow_local)
-    return peek_image(data, max_side=cfg.max_image_size)
+    return peek_source(src, max_side=cfg.max_image_size, max_bytes=max_bytes, allow_local=allow_local)
 
 
 def _load_part(part: MediaPart, cfg: VisionConfig, *, max_bytes: int, max_frames: int, allow_local: bool,

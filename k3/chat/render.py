@@ -89,7 +89,7 @@ def _value_text(value: Any) -> str:
 # ----------------------------------------------------------------------------- validation
 
 
-def _message_list(messages: Any) -> list[dict]:
+def message_list(messages: Any) -> list[dict]:
     if not isinstance(messages, (list, tuple)):
         raise ChatFormatError(f"messages must be a list of message objects, got {type(messages).__name__}")
     for i, m in enumerate(messages):
@@ -148,7 +148,7 @@ def parse_arguments(arguments: Any, where: str) -> tuple[dict, str | None]:
 # ----------------------------------------------------------------------------- tool results
 
 
-def _order_tool_results(messages: list[dict]) -> list[dict]:
+def order_tool_results(messages: list[dict]) -> list[dict]:
     """Re-sort each run of tool results into call order by `tool_call_id` and validate them.
 
     Every result must match a call of the latest assistant message: by id, or (when some result
@@ -403,7 +403,7 @@ def render_segments(
 
     Raises ChatFormatError on malformed input.
     """
-    msgs = _order_tool_results(_message_list(messages))
+    msgs = order_tool_results(message_list(messages))
     fmt_kind, schema = _check_options(thinking_effort, tool_choice, response_format)
     if tools is not None and not isinstance(tools, (list, tuple)):
         raise ChatFormatError(f"tools must be a list, got {type(tools).__name__}")

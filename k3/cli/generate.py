@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -43,10 +44,15 @@ def run(args: argparse.Namespace) -> int:
     from k3.config import get_preset
     from k3.data.tokenizer import load_tokenizer
     from k3.model.causal_lm import K3ForCausalLM
-    from k3.model.generate import SamplingParams, generate_stream
+    from k3.model.generate import generate_stream
+    from k3.model.sampling import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_new_tokens)
+    except ValueError as e:  # checked before the model loads
+        print(f"error: {e} (--max-new-tokens, --temperature, --top-p, --top-k)", file=sys.stderr)
+        return 2
     if args.checkpoint:
         dtype = args.dtype or ("float32" if args.device == "cpu" else None)  # None: the checkpoint's dtype
         model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
@@ -58,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint and isinstance(tok, _ByteIds):
         print(f"error: no tokenizer files in {tok_dir} (pass --tokenizer DIR)", file=sys.stderr)
         return 2
-    params.stop_ids = (tok.eos_id,) if tok.eos_id >= 0 else ()
+    params = dataclasses.replace(params, stop_token_ids=(tok.eos_id,) if tok.eos_id >= 0 else ())
     ids = tok.encode(args.prompt) if args.prompt else [getattr(tok, "bos_id", 0)]
     model.eval()
     print(args.prompt, end="", flush=True)
@@ -66,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     shown = ""
     t0 = time.perf_counter()
     for _, tok_id in generate_stream(model, [ids], params, seed=args.seed):
-        if tok_id in params.stop_ids:
+        if tok_id in params.stop_token_ids:
             break
         out.append(tok_id)
         text = tok.decode(out)

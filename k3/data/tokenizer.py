@@ -177,14 +177,6 @@ class Tokenizer(ABC):
         """Ids -> text; special tokens appear as their names, invalid UTF-8 as U+FFFD."""
         return b"".join(self.token_bytes(int(i)) for i in ids).decode("utf-8", errors="replace")
 
-    def encode_chat(
-        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **render_kwargs: Any
-    ) -> tuple[list[int], list[int]]:
-        """Render and encode a conversation -> (ids, loss_mask); see `k3.chat.render`."""
-        from k3.chat.render import render
-
-        return render(messages, self, tools, **render_kwargs)
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 

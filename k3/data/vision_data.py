@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3.chat.media import image_prompt
+from k3.chat.render import render
 from k3.data.packing import IGNORE_INDEX
-from k3.model.vision_config import VisionConfig, num_media_tokens
+from k3.vision_config import VisionConfig, num_media_tokens
 
 __all__ = ["RenderedExample", "VisionBatch", "VisionLoader", "collate_examples", "pack_examples", "render_example"]
 
@@ -70,9 +72,6 @@ class VisionBatch:
 
 def render_example(example: Any, tokenizer: Any, cfg: VisionConfig, answer: str | None = None) -> RenderedExample:
     """Render one example (optionally with another `answer`, for scoring candidates)."""
-    from k3.chat.media import image_prompt
-    from k3.chat.render import render
-
     image = torch.from_numpy(np.array(example.image.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1).contiguous()
     n = num_media_tokens(int(image.shape[1]), int(image.shape[2]), cfg)
     messages = [

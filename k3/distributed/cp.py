@@ -12,23 +12,20 @@ segments of equal length, one per rank; documents may cross segment edges.
 * MLA: the latent (kv_lora_rank + rope wide, the small per-token KV) is all-gathered over the
   row; local queries attend to it with a causal, same-document mask in row coordinates.
 
-The single-device modules are untouched: `apply_context_parallel` swaps the `forward` of every
-KDAttention and GatedMLA instance for the versions here.
+The layers run their own forward; `CPContext` is the `k3.model.segment.SegmentHooks` they ask for
+that history (`apply_context_parallel` sets it on every KDAttention and GatedMLA).
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from k3.model.cache import SeqLayout
-from k3.model.common import linear_residual, rms_norm
-from k3.model.kda import KDAttention, causal_conv_silu
-from k3.model.mla import GatedMLA, _sdpa
-from k3.ops.kda import kda, kda_gate, l2norm
+from k3.model.kda import KDAttention
+from k3.model.mla import GatedMLA
+from k3.ops.kda import kda_gate, l2norm
 from k3.ops.kda.cp import kda_segment_transform
 
 
@@ -119,67 +116,44 @@ class CPContext:
         k = torch.arange(self.doc_id.numel(), device=self.doc_id.device)
         return (k[None, :] <= q[:, None]) & (self.doc_id[k][None, :] == self.doc_id[q][:, None])
 
+    # -- k3.model.segment.SegmentHooks ------------------------------------------------------------
+    def conv_history(self, qkv: torch.Tensor, width: int, layout: SeqLayout) -> torch.Tensor:
+        """qkv [1, T, C] pre-conv inputs -> [N, W-1, C]: the halo for the first local document, zeros
+        for the others (they start on this rank)."""
+        _check_packed(layout)
+        T = qkv.shape[1]
+        if T < width - 1:
+            raise ValueError(f"context-parallel segments need >= {width - 1} tokens, got {T}")
+        halo = self.halo(qkv[0, T - (width - 1):])
+        return torch.cat([halo[None], halo.new_zeros(layout.num_seqs - 1, width - 1, halo.shape[-1])])
 
-def _check(layout: SeqLayout, cache) -> None:
-    if cache is not None:
-        raise ValueError("context parallel is for training forwards: cache must be None")
+    def kda_initial_state(self, layer: KDAttention, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+                          b: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """[N, H, K, V]: the folded predecessors' state for the first local document, zeros after."""
+        _check_packed(layout)
+        cu = layout.cu_seqlens_cpu if layout.cu_seqlens_cpu is not None else layout.cu_seqlens.cpu()
+        s = int(cu[-2])  # start of the last local document piece
+        g = kda_gate(f[:, s:], layer.A_log, layer.dt_bias, layer.lower_bound)
+        S_ext, M = kda_segment_transform(l2norm(k[:, s:]), v[:, s:], g, torch.sigmoid(b[:, s:]))
+        init = self.initial_state(S_ext[0], M[0])
+        return torch.cat([init[None], init.new_zeros(layout.num_seqs - 1, *init.shape)])
+
+    def mla_kv_source(self, latent: torch.Tensor, layout: SeqLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [1, T, D] -> (the whole row's latents [1, R*T, D], `attention_mask()`)."""
+        _check_packed(layout)
+        return all_gather(latent[0], self.group).flatten(0, 1)[None], self.attention_mask()
+
+
+def _check_packed(layout: SeqLayout) -> None:
     if layout.cu_seqlens is None:
         raise ValueError("context parallel needs packed input with cu_seqlens")
 
 
-def kda_cp_forward(self: KDAttention, x: torch.Tensor, layout: SeqLayout, cache=None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """KDAttention.forward on this rank's segment of the row (see module docstring)."""
-    _check(layout, cache)
-    ctx: CPContext = self._k3_cp
-    B, T, _ = x.shape
-    H, K = self.num_heads, self.head_dim
-    qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-    conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-    W = conv_w.shape[-1]
-    if T < W - 1:
-        raise ValueError(f"context-parallel segments need >= {W - 1} tokens, got {T}")
-    halo = ctx.halo(qkv[0, T - (W - 1):])
-    N = layout.num_seqs
-    tail = torch.cat([halo[None], halo.new_zeros(N - 1, W - 1, halo.shape[-1])])
-    qkv, _ = causal_conv_silu(qkv, conv_w, layout, tail)
-    q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
-    f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
-    b = self.b_proj(x).float()
-    cu_host = layout.cu_seqlens_cpu if layout.cu_seqlens_cpu is not None else layout.cu_seqlens.cpu()
-    s = int(cu_host[-2])  # start of the last local document piece
-    S_ext, M = kda_segment_transform(l2norm(k[:, s:]), v[:, s:], kda_gate(f[:, s:], self.A_log, self.dt_bias,
-                                     self.lower_bound), torch.sigmoid(b[:, s:]))
-    init = ctx.initial_state(S_ext[0], M[0])
-    initial = torch.cat([init[None], init.new_zeros(N - 1, *init.shape)])
-    o, _ = kda(q, k, v, f, b, initial_state=initial, cu_seqlens=layout.cu_seqlens, cu_seqlens_cpu=cu_host,
-               A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend)
-    gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, H, K)
-    o = (rms_norm(o.float(), self.o_norm.weight, self.eps) * gate).to(x.dtype)
-    return linear_residual(o.reshape(B, T, H * K), self.o_proj.weight, residual)
-
-
-def mla_cp_forward(self: GatedMLA, x: torch.Tensor, layout: SeqLayout, cache=None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    """GatedMLA.forward with keys/values from the all-gathered latent of the whole row."""
-    _check(layout, cache)
-    ctx: CPContext = self._k3_cp
-    q, lat = self._q(x), self._latent(x)
-    full = all_gather(lat[0], ctx.group).flatten(0, 1)[None]  # [1, R*T, D]
-    k, v = self._expand(full)
-    o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), ctx.attention_mask(), causal=False,
-              scale=self.scale)
-    return self._out(x, o.transpose(1, 2), residual)
-
-
 def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> CPContext:
-    """Install the context-parallel forwards on every KDA and MLA mixer; returns the shared context
-    (its `set` must be called with each batch's row layout before the forward)."""
+    """Set one shared `CPContext` as the segment hooks of every KDA and MLA mixer; returns it (its
+    `set` must be called with each batch's row layout before the forward)."""
     ctx = CPContext(group)
     for m in model.modules():
         if isinstance(m, (KDAttention, GatedMLA)):
-            m._k3_cp = ctx
-            fn = kda_cp_forward if isinstance(m, KDAttention) else mla_cp_forward
-            m.forward = types.MethodType(fn, m)
+            m.segment_hooks = ctx
     return ctx

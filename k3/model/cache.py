@@ -8,6 +8,7 @@ with `cu_seqlens` `[N + 1]` (different numbers of new tokens per sequence, e.g. 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -77,13 +78,44 @@ class SeqLayout:
         return seq, pos
 
 
+class DecodeCache(Protocol):
+    """What the layers read and write of a cache passed to a forward (`HybridCache`; the serving
+    caches in `k3.serve.cache_manager` provide the same).
+
+    lengths: [N] long, tokens already cached per sequence. kda_state / conv_tail: per KDA layer,
+    [N, H, K, V] fp32 and [N, W-1, 3*H*K], replaced by the layer after its forward. absorb_mla: MLA
+    attends in the weight-absorbed latent space (decode) instead of expanding keys/values.
+    static_shapes: a fixed-shape decode step (one token per row, CUDA-graph friendly paths).
+    paged_mla: MLA decode reads the latents in place through `mla_write`'s page tables.
+    """
+
+    num_seqs: int
+    lengths: torch.Tensor
+    kda_state: dict[int, torch.Tensor]
+    conv_tail: dict[int, torch.Tensor]
+    absorb_mla: bool
+    static_shapes: bool
+    paged_mla: bool
+
+    def mla_append(self, layer: int, new: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """Store new latents (padded [N, Tmax, D]) after each sequence's past -> [N, capacity, D]."""
+        ...
+
+    def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(paged_mla only) store [N, 1, D] latents -> (pages, page tables, attended lengths)."""
+        ...
+
+
 class HybridCache:
     """Per-request inference state of every layer.
 
     KDA layer l: `kda_state[l]` [N, H, K, V] fp32 and `conv_tail[l]` [N, W-1, 3*H*K] (the last W-1
     pre-conv q|k|v inputs). MLA layer l: `mla_kv[l]` [N, capacity, kv_lora_rank + qk_rope_head_dim]
-    holding the normalised latent and the (un-normalised) k_pe of every past token.
+    holding the normalised latent and the (un-normalised) k_pe of every past token. A `DecodeCache`.
     """
+
+    static_shapes = False  # dynamic shapes: prefill and decode alike
+    paged_mla = False  # latents live in dense per-sequence buffers (`mla_append`)
 
     def __init__(self, config: TextConfig, num_seqs: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", capacity: int = 256, absorb_mla: bool = True) -> None:
@@ -117,6 +149,9 @@ class HybridCache:
         cols = (layout.past_lens[:, None] + i[None, :])[valid]
         buf[rows, cols] = new[valid].to(buf.dtype)
         return buf
+
+    def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("HybridCache has no paged latent cache (paged_mla is False)")
 
     def advance(self, new_lens: torch.Tensor) -> None:
         self.lengths += new_lens.to(self.lengths.device)

@@ -56,7 +56,7 @@ from k3.model.safetensors_io import (
     target_dtype,
     write_shards,
 )
-from k3.model.vision_config import VisionConfig
+from k3.vision_config import VisionConfig
 from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
 __all__ = [

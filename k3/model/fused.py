@@ -32,13 +32,13 @@ from torch import Tensor
 
 from k3.model.step_weights import StepCache, gemm_weight
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
+from k3.ops.backend import env_flag, triton_runs_on
 from k3.ops.cross_entropy import linear_cross_entropy
 from k3.ops.mla_kv import mla_expand_kv, mla_kv_reference
 from k3.ops.moe_combine import moe_combine, moe_dispatch
 from k3.ops.moe_route import sort_slots_triton, topk_route
 from k3.ops.router import router_logits
 from k3.ops.situ import situ_glu
-from k3.ops.triton_utils import env_flag, triton_runs_on
 
 # --------------------------------------------------------------------------------------------
 # SiTU-GLU: act = beta*tanh(a/beta)*sigmoid(a) * beta_lin*tanh(b/beta_lin), fp32, cast to a's dtype

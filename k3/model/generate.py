@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from k3.model.causal_lm import K3ForCausalLM
-
-
-@dataclass
-class SamplingParams:
-    """temperature 0 = greedy; top_p in (0, 1]; top_k 0 = off."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 64
-    stop_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+from k3.model.sampling import SamplingParams
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -55,33 +34,37 @@ def generate_stream(model: K3ForCausalLM, prompts: list[list[int]], params: Samp
     """Yield (prompt index, token id) as tokens are sampled, using the hybrid cache.
 
     The prompts are prefilled together as packed sequences, then every unfinished sequence decodes one
-    token per step; a sequence stops at a stop id (which is yielded) or after max_new_tokens.
+    token per step; a sequence stops at one of `params.stop_token_ids` (which is yielded) or after
+    `params.max_tokens`. Of `params` this loop honours temperature, top_p, top_k, max_tokens,
+    stop_token_ids and seed (used when `seed` is None); the serving engine (`k3.serve`) does the rest.
     """
     for ids in prompts:
         if not ids:
             raise ValueError("every prompt needs at least one token")
-    if params.max_new_tokens == 0:
-        return
+    if params.stop or params.adjusts_logits or params.logprobs is not None:
+        raise ValueError("generate: stop strings, penalties, logit_bias, min_tokens and logprobs need the "
+                         "serving engine (k3.serve.Engine)")
+    seed = params.seed if seed is None else seed
     device = model.lm_head.weight.device
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
     n = len(prompts)
-    cache = model.new_cache(n, capacity=max(len(p) for p in prompts) + params.max_new_tokens)
+    cache = model.new_cache(n, capacity=max(len(p) for p in prompts) + params.max_tokens)
     packed = torch.tensor([t for p in prompts for t in p], device=device)[None]
     cu = torch.tensor([0] + [len(p) for p in prompts], device=device).cumsum(0)
     logits = model(packed, cu_seqlens=cu, cache=cache).logits[0, cu[1:] - 1]  # each prompt's last position
     live = list(range(n))
-    stop = set(params.stop_ids)
-    for step in range(params.max_new_tokens):
+    stop = set(params.stop_token_ids)
+    for step in range(params.max_tokens):
         nxt = sample(logits, params, gen).tolist()
         keep = []
         for row, (seq, tok) in enumerate(zip(live, nxt)):
             yield seq, tok
             if tok not in stop:
                 keep.append(row)
-        if not keep or step + 1 == params.max_new_tokens:
+        if not keep or step + 1 == params.max_tokens:
             return
         if len(keep) < len(live):
             cache = cache.select(keep)

@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from k3.config import TextConfig
-from k3.model.cache import HybridCache, SeqLayout
+from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import keep_fp32, linear_residual
 from k3.model.fused import EAGER, Kernels, linear_multi
+from k3.model.segment import SegmentHooks
 from k3.model.step_weights import StepCache, StepLinear
 from k3.ops.kda import kda, kda_gate, l2norm
 from k3.ops.short_conv import document_starts, short_conv_silu
@@ -160,6 +161,8 @@ class KDAttention(nn.Module):
         self.kda_backend = "auto"
         # the fused input projection's step copy (q|k|v|g|f_a|b): set by K3ForCausalLM.step_weights()
         self.step_cache: StepCache | None = None
+        # history from outside when this layer runs on one segment of a row (context parallelism)
+        self.segment_hooks: SegmentHooks | None = None
 
     @torch.no_grad()
     def reset_kda_parameters(self) -> None:
@@ -174,27 +177,34 @@ class KDAttention(nn.Module):
             frac = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), 0.0)) / -self.lower_bound
             self.dt_bias.copy_(torch.log(frac) - torch.log1p(-frac))  # logit
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: DecodeCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> KDA output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        hooks = self.segment_hooks
+        if hooks is not None and cache is not None:
+            raise ValueError("KDAttention: segment hooks (context parallel) are for training forwards; cache must be None")
         conv_w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         tail = cache.conv_tail[self.layer_idx] if cache is not None else None
         groups = [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], [self.g_proj.weight],
                   [self.f_a_proj.weight], [self.b_proj.weight]]
-        if cache is None:  # no history: the whole-row conv, which passes the projection's other outputs through
+        if cache is None and hooks is None:  # no history: the whole-row conv, passing the other outputs through
             proj = linear_multi(x, [sum(groups, [])], self.step_cache)[0]  # [B, T, 3HK + HK + K + H]
             *qkv, g_in, f_a, b = conv_silu_streams(proj, conv_w, layout, 3, self.kernels, passthrough=(H * K, K, H))
             q, k, v = (t.reshape(B, T, H, K) for t in qkv)
         else:
             qkv, g_in, f_a, b = linear_multi(x, groups, self.step_cache)
+            if hooks is not None:
+                tail = hooks.conv_history(qkv, conv_w.shape[-1], layout)
             qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
-        if getattr(cache, "static_shapes", False):
+        if hooks is not None:
+            initial = hooks.kda_initial_state(self, k, v, f, b.float(), layout)
+        if cache is not None and cache.static_shapes:
             o, final = self._decode_step(q, k, v, f, b.float(), initial)
         else:
             o, final = kda(

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from k3.config import TextConfig
-from k3.model.cache import HybridCache, SeqLayout
+from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
+from k3.model.segment import SegmentHooks
 from k3.model.step_weights import StepLinear
-from k3.ops.triton_utils import env_flag
+from k3.ops.backend import env_flag
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
@@ -52,6 +53,8 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = StepLinear(d, H * self.v_dim)
         self.o_proj = StepLinear(H * self.v_dim, d)
+        # keys/values from outside when this layer runs on one segment of a row (context parallelism)
+        self.segment_hooks: SegmentHooks | None = None
 
     def _q_first(self) -> StepLinear:
         """The GEMM that reads x for the queries: q_proj, or q_a_proj of the low-rank path."""
@@ -111,10 +114,14 @@ class GatedMLA(nn.Module):
         q, kv, *g = (t.reshape(B, T, -1) for t in fan[1:])
         return (self._q_from(q), *self._latent_from(kv), g[0] if g else None)
 
-    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: HybridCache | None = None,
+    def forward(self, x: torch.Tensor, layout: SeqLayout, cache: DecodeCache | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> attention output [B, T, d], plus `residual` ([B, T, d]) if given, added inside the
         output projection's GEMM (`linear_residual`)."""
+        if self.segment_hooks is not None:  # one segment of a row: keys/values come from the hooks
+            if cache is not None:
+                raise ValueError("GatedMLA: segment hooks (context parallel) are for training forwards; cache must be None")
+            return self._out(x, self._attend_segment(self._q(x), self._latent(x), layout), residual)
         if cache is None:  # the latent's parts go straight to the expansion (no concatenation to split again)
             fan = self._fan_in(x)
             if fan is not None:
@@ -161,10 +168,17 @@ class GatedMLA(nn.Module):
             o = _sdpa(q, k, v, mask, causal=False, scale=self.scale)
         return o.transpose(1, 2)
 
+    def _attend_segment(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout) -> torch.Tensor:
+        """q [1, T, H, qk] against the latents `segment_hooks` provide ([1, S, D] with a [T, S] mask)."""
+        full, mask = self.segment_hooks.mla_kv_source(lat, layout)
+        k, v = self._expand(full)
+        o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, causal=False, scale=self.scale)
+        return o.transpose(1, 2)
+
     # -- attention against the latent cache -------------------------------------------------------
-    def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: HybridCache) -> torch.Tensor:
+    def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: DecodeCache) -> torch.Tensor:
         q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
-        if getattr(cache, "paged_mla", False) and q_pad.shape[1] == 1:
+        if cache.paged_mla and q_pad.shape[1] == 1:
             # serving decode: the kernel reads each row's valid pages in place (no gather, no padded bucket)
             pages, tables, lens = cache.mla_write(self.layer_idx, lat_pad)
             return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
@@ -172,7 +186,7 @@ class GatedMLA(nn.Module):
         if not cache.absorb_mla:  # prefill (static decode caches always absorb)
             return _from_padded(self._prefill_rows(q_pad, buf, layout), layout, q.shape[1])
         N, Tq = q_pad.shape[:2]
-        if getattr(cache, "static_shapes", False):
+        if cache.static_shapes:
             S = buf.shape[1]  # CUDA-graph decode: attend over every gathered row, the mask hides the rest
         else:
             S = int((layout.past_lens + layout.new_lens).max()) if N else 0

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import TextConfig
-from k3.model.cache import HybridCache, SeqLayout
+from k3.model.cache import DecodeCache, SeqLayout
 from k3.model.common import GLUMLP, RMSNorm
 from k3.model.fused import EAGER, Kernels
 from k3.model.kda import KDAttention
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         return self.block_sparse_moe(x, residual) if hasattr(self, "block_sparse_moe") else self.mlp(x, residual)
 
     def forward(self, bank: list[torch.Tensor], prefix: torch.Tensor, layout: SeqLayout,
-                cache: HybridCache | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+                cache: DecodeCache | None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One layer of Block AttnRes: there is no plain residual path.
 
         bank: completed block sums [B, T, d] each; prefix: running sum of the current block.
@@ -106,7 +106,7 @@ class K3Model(nn.Module):
         self.fp32_embeddings = False
 
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cache: HybridCache | None = None,
+                cu_seqlens: torch.Tensor | None = None, cache: DecodeCache | None = None,
                 hidden_state_layers: list[int] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns (final hidden [B, T, d], {layer: that layer's output mix input}) where the dict holds,
         for each requested layer index l, the hidden state entering layer l's mixer (l = num_layers:

@@ -12,7 +12,7 @@ from k3.model.common import GLUMLP, RMSNorm, fan_in_linears, keep_fp32, linear_r
 from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
 from k3.ops.grouped_gemm import expert_gemm
-from k3.ops.triton_utils import env_flag, triton_runs_on
+from k3.ops.backend import env_flag, triton_runs_on
 
 
 class Router(nn.Module):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.model.common import RMSNorm
-from k3.model.vision_config import (
+from k3.vision_config import (
     VisionConfig,
     _check_size,
     encoder_param_count,

@@ -472,7 +472,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         Triton runs on, unless K3_MUON_FUSED=0 (fp32 NS, CPU's 'auto', keeps the torch path)."""
         if b.key[2] not in (torch.bfloat16, torch.float16):
             return False
-        from k3.ops.triton_utils import env_flag, triton_runs_on
+        from k3.ops.backend import env_flag, triton_runs_on
 
         return env_flag("K3_MUON_FUSED", True) and triton_runs_on(b.mom)
 

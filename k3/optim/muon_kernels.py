@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.triton_utils import cvt, env_int
+from k3.ops.backend import env_int
+from k3.ops.triton_utils import cvt
 
 __all__ = ["muon_prep", "FlatUpdate", "plan_flat_update", "plan_bucket_update", "apply_flat_update", "update_block"]
 

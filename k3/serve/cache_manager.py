@@ -7,7 +7,7 @@ checkpoints and pages all come from the same free list, so long contexts and man
 requests trade memory against each other (the K3 report's "one paged pool of uniform byte-size
 pages"). Blocks are reference counted; block 0 is a permanent all-zero block used to pad page tables.
 
-`PagedBatchCache` presents a batch of requests to the model as a duck-typed `HybridCache`:
+`PagedBatchCache` presents a batch of requests to the model as a `k3.model.cache.DecodeCache`:
 `kda_state` / `conv_tail` are gathered from the slots before the forward and written back after;
 `mla_append` writes the new latents into the pages and returns the gathered [N, S, D] latents.
 """
@@ -208,7 +208,7 @@ class BlockPool:
 
 
 class PagedBatchCache:
-    """Duck-typed `HybridCache` over the block pool for one forward of N sequences.
+    """A `k3.model.cache.DecodeCache` over the block pool for one forward of N sequences.
 
     page_tables[i]: block ids of sequence i's pages (enough for past + new tokens); slots[i]: its
     KDA slot blocks; past_lens[i]: tokens already cached. Call `commit()` after the forward to write
@@ -218,6 +218,7 @@ class PagedBatchCache:
     def __init__(self, pool: BlockPool, page_tables: list[list[int]], slots: list[list[int]],
                  past_lens: list[int], new_lens: list[int], *, absorb_mla: bool, paged_mla: bool = False) -> None:
         self.pool, self.slots = pool, slots
+        self.static_shapes = False
         self.num_seqs = len(slots)
         dev = pool.device
         self.lengths = torch.tensor(past_lens, dtype=torch.long, device=dev)
@@ -265,7 +266,7 @@ class PagedBatchCache:
 
 
 class StaticDecodeCache:
-    """Duck-typed `HybridCache` for one decode step ([N, 1] input rows) whose every shape is fixed by
+    """A `k3.model.cache.DecodeCache` for one decode step ([N, 1] input rows) whose every shape is fixed by
     its index tensors, never by host values, so the forward can be captured in a CUDA graph.
 
     past_lens: [N] long, tokens already cached (the new token goes to position past_lens[i]).

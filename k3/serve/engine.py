@@ -348,7 +348,7 @@ class Engine:
         except Exception as e:  # a failed forward fails its requests, never the engine
             failed = reqs + [c for r in reqs for c in r.forks if c.status == "forking"]
             for r in failed:
-                self._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+                self.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
                 r.forks = []
             return failed
         sample_reqs = [r for r in reqs if r.pending == 0]
@@ -420,13 +420,14 @@ class Engine:
             r.num_computed += n
 
     def _on_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> None:
-        reason = self._append_token(req, tok, lp, top)
+        reason = self.append_token(req, tok, lp, top)
         if reason is not None:
-            self._finish(req, reason)
+            self.finish_request(req, reason)
 
-    def _append_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> str | None:
+    def append_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> str | None:
         """Record one sampled token; returns the finish reason it causes (the caller finishes the
-        request: the verify path first rolls its state back to the accepted position)."""
+        request: the verify path first rolls its state back to the accepted position). Part of the
+        interface `k3.serve.speculative.VerifyHost` declares."""
         now = time.time()
         if req.constraint is not None:
             req.constraint.accept(tok)
@@ -447,7 +448,9 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str, *, donate: bool = True, error: str | None = None) -> None:
+    def finish_request(self, req: Request, reason: str, *, donate: bool = True, error: str | None = None) -> None:
+        """Mark `req` finished with `reason` and release its pages (donating its state to the prefix
+        cache when `donate`); part of the interface `k3.serve.speculative.VerifyHost` declares."""
         req.status, req.finish_reason, req.finish_time = "finished", reason, time.time()
         req.error = error
         self.scheduler.release(req, donate=donate)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from k3.chat.media import MEDIA_PAD, num_tokens_for
-from k3.model.vision import VisionConfig
+from k3.vision_config import VisionConfig
 from k3.serve.prefix_cache import PrefixHasher
 
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.serve.sampling import MAX_LOGPROBS, SamplingParams
+from k3.model.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024

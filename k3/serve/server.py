@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from k3.chat import ChatFormatError, render_segments
 from k3.chat.media import ChatMediaError, load_chat_media
 from k3.chat.xtml import SegmentBuilder
-from k3.data.images import MAX_IMAGE_BYTES
+from k3.media import MAX_IMAGE_BYTES
 from k3.serve import anthropic_api, responses_api
 from k3.serve.async_engine import AsyncEngine, Overloaded
 from k3.serve.chat_output import ChatAssembler, CompletionAssembler, merged_response, merged_usage

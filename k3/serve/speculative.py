@@ -33,7 +33,7 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -43,8 +43,31 @@ from k3.serve.logits import needs_adjust
 from k3.serve.sampling import SamplingParams, limit_vocab, sample_from, target_probs, token_logprobs
 
 if TYPE_CHECKING:
-    from k3.serve.engine import Engine
     from k3.serve.scheduler import Request
+
+
+class VerifyHost(Protocol):
+    """What the verify path uses of its engine (`k3.serve.engine.Engine` provides it): the model, the
+    paged cache and its scheduler, metrics, and the two request-level operations below."""
+
+    model: Any  # K3ForCausalLM: .model(ids, cu_seqlens=, cache=) -> (hidden, _), .lm_head
+    pool: Any  # BlockPool: read_slots / write_slots of KDA state, .device
+    scheduler: Any  # Scheduler: reserve(request, num_tokens) -> bool
+    metrics: Any  # EngineMetrics: spec_* counters, prompt_tokens_computed
+    layout: Any  # cache layout: .kda_layers
+    prefix: Any  # prefix cache or None
+    paged_mla: bool
+    vocab_limit: int
+    device: torch.device
+    max_model_len: int
+
+    def append_token(self, req: Request, tok: int, lp: float | None, top: list | None) -> str | None:
+        """Record one sampled token -> the finish reason it causes (None: go on); does not finish."""
+        ...
+
+    def finish_request(self, req: Request, reason: str, *, donate: bool = True, error: str | None = None) -> None:
+        """Finish `req` with `reason`, releasing its pages (donating its state when `donate`)."""
+        ...
 
 
 class NgramProposer:
@@ -144,7 +167,7 @@ class SpeculativeDecoder:
     """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
     emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
 
-    def __init__(self, engine: Engine, num_draft: int, min_match: int, max_match: int) -> None:
+    def __init__(self, engine: VerifyHost, num_draft: int, min_match: int, max_match: int) -> None:
         self.engine = engine
         self.proposer = NgramProposer(num_draft, min_match, max_match)
         self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> TokenArray
@@ -182,7 +205,7 @@ class SpeculativeDecoder:
             logits = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d in drafted])
         except Exception as e:  # a failed forward fails its requests, never the engine
             for r in reqs:
-                eng._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
             return reqs
         logits = limit_vocab(logits, eng.vocab_limit)
         redo: list[tuple[int, int]] = []  # (row, tokens to keep computed)
@@ -209,7 +232,7 @@ class SpeculativeDecoder:
             self._rollback(drafted, snapshot, redo)
         for r, reason in finished:
             if r.status != "finished":
-                eng._finish(r, reason)
+                eng.finish_request(r, reason)
         m.spec_verify_seconds += time.perf_counter() - start
         return reqs
 
@@ -218,7 +241,7 @@ class SpeculativeDecoder:
         n = len(toks)
         lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
         for j, t in enumerate(toks):
-            reason = self.engine._append_token(r, t, lps[j], tops[j])
+            reason = self.engine.append_token(r, t, lps[j], tops[j])
             if reason is not None:
                 return j + 1, reason
         return n, None
@@ -245,7 +268,7 @@ class SpeculativeDecoder:
                           logits=False)
         except Exception as e:  # as above: only these requests fail
             for r in reqs:
-                eng._finish(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
             return
         eng.metrics.spec_rerun_forwards += 1
         for r, (_, n) in zip(reqs, redo):

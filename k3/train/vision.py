@@ -20,7 +20,7 @@ from torch import nn
 
 from k3.data.packing import IGNORE_INDEX
 from k3.data.vision_data import VisionBatch, VisionLoader, render_example
-from k3.model.vision_config import VisionConfig
+from k3.vision_config import VisionConfig
 from k3.optim import build_param_groups
 from k3.optim.muon import BlockSpec
 from k3.train.config import TrainConfig

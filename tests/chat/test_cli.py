@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from k3.cli import main
+from k3.chat import encode_chat
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -36,7 +37,7 @@ def test_ids_with_tokenizer(tmp_path, tok, capsys) -> None:
     f.write_text(json.dumps(msgs))
     assert main(["chat-template", str(f), "--ids", "--tokenizer", str(tmp_path / "tok")]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["input_ids"], out["loss_mask"]) == tok.encode_chat(msgs)
+    assert (out["input_ids"], out["loss_mask"]) == encode_chat(tok, msgs)
 
 
 def test_errors(tmp_path, capsys) -> None:

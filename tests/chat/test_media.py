@@ -24,8 +24,8 @@ from k3.chat.media import (
     prompts_for,
     video_prompt,
 )
-from k3.data.images import encode_png_data_uri, pil_to_tensor
-from k3.model.vision import tiny_vision_config
+from k3.media import encode_png_data_uri, pil_to_tensor
+from k3.vision_config import tiny_vision_config
 
 CFG = tiny_vision_config(32)
 

@@ -278,11 +278,11 @@ def test_small_corpus_padded_to_requested_vocab() -> None:
 
 @pytest.mark.parametrize("kind", ["tik", "bpe"])
 def test_encode_chat_both_kinds(kind, request) -> None:
-    from k3.chat import render_text
+    from k3.chat import encode_chat, render_text
 
     tok = request.getfixturevalue(kind)
     msgs = [{"role": "user", "content": "你好 <|open|>"}, {"role": "assistant", "reasoning_content": "r", "content": "ok"}]
-    ids, mask = tok.encode_chat(msgs)
+    ids, mask = encode_chat(tok, msgs)
     text = render_text(msgs)
     assert tok.decode(ids) == text
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == (

@@ -417,8 +417,8 @@ def test_triton_regions_are_the_cuda_training_default(monkeypatch):
 def test_switch_env_values(monkeypatch):
     """On / off switches (K3_ATTNRES_NORM, the KDA kernels' K3_KDA_* switches) take "0" or "1"; anything
     else is a clear error, also where a kernel reads it."""
+    from k3.ops.backend import env_flag
     from k3.ops.kda.chunk import _flag
-    from k3.ops.triton_utils import env_flag
 
     monkeypatch.delenv("K3_ATTNRES_NORM", raising=False)
     assert env_flag("K3_ATTNRES_NORM", False) is False

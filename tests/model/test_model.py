@@ -7,7 +7,8 @@ import torch
 from k3.config import k3_tiny
 from k3.model.causal_lm import K3ForCausalLM
 from k3.model.common import attn_res_mix
-from k3.model.generate import SamplingParams, generate
+from k3.model.generate import generate
+from k3.model.sampling import SamplingParams
 
 ATOL = 2e-5  # fp32, logits of magnitude ~1
 
@@ -191,7 +192,7 @@ def test_gradient_checkpointing_same_grads():
 
 def test_batched_greedy_generation_equals_one_at_a_time(model):
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [42]]
-    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
     batched = generate(model, prompts, params)
     assert batched == [generate(model, [p], params)[0] for p in prompts]
 

@@ -44,7 +44,7 @@ def test_column_sum_large_gpu():
 def test_env_int_knobs(monkeypatch):
     """Integer kernel knobs (tiles, warps, pipeline depths): unset -> the default; a non-integer, a value
     below 1 or (for tiles) not a power of two raises, naming the variable."""
-    from k3.ops.triton_utils import env_int, env_tile
+    from k3.ops.backend import env_int, env_tile
 
     monkeypatch.delenv("K3_TEST_KNOB", raising=False)
     assert env_int("K3_TEST_KNOB", 7) == 7
@@ -69,8 +69,8 @@ def test_env_int_knobs(monkeypatch):
 def test_env_int_opt_knobs(monkeypatch):
     """Optional integer knobs (KDA value blocks, register caps): unset or empty -> None; else env_int's strict
     parse; the KDA value-block choice honours and checks it."""
+    from k3.ops.backend import env_int_opt
     from k3.ops.kda.chunk import _state_bv
-    from k3.ops.triton_utils import env_int_opt
 
     monkeypatch.delenv("K3_TEST_KNOB", raising=False)
     assert env_int_opt("K3_TEST_KNOB") is None

@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from k3.model.generate import SamplingParams as DenseParams
 from k3.model.generate import generate as dense_generate
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.sampling import SamplingParams
@@ -62,7 +61,7 @@ def test_engine_matches_the_dense_cache_generation_loop(model, tokenizer):
     eng = Engine(model, None, EngineConfig(memory_budget_bytes=16 << 20, page_size=8, unit_size=8,
                                            short_prefill_budget=16, long_prefill_budget=16))
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
-    ref = dense_generate(model, prompts, DenseParams(temperature=0, max_new_tokens=6))
+    ref = dense_generate(model, prompts, SamplingParams(temperature=0, max_tokens=6))
     assert [o.token_ids for o in outs] == ref
     assert all(o.text == "" for o in outs)
 

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from k3.chat import render
 from k3.chat.media import MEDIA_PAD, load_chat_media
 from k3.config import k3_tiny_vl
-from k3.data.images import encode_png_data_uri
+from k3.media import encode_png_data_uri
 from k3.data.tokenizer import train_bpe_tokenizer
 from k3.model.causal_lm import K3ForCausalLM
 from k3.serve.async_engine import AsyncEngine

@@ -20,7 +20,7 @@ from k3.data.vision_data import (
     render_example,
 )
 from k3.model.causal_lm import K3ForCausalLM
-from k3.model.vision_config import num_media_tokens, tiny_vision_config
+from k3.vision_config import num_media_tokens, tiny_vision_config
 from k3.optim import HeadGeometry, build_param_groups
 from k3.train import vision_eval
 from k3.train.config import TrainConfig

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops.cross_entropy import _check, _compute_dtype
-from k3.ops.cross_entropy.reference import IGNORE_INDEX
-from k3.ops.cross_entropy.triton_ce import _add_weight_grad
+from k3.ops.cross_entropy.reference import IGNORE_INDEX, add_weight_grad
 
 __all__ = ["linear_token_logprobs"]
 
@@ -73,7 +72,7 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 if need_dh:
                     torch.mm(dl, wc, out=dh[lo:lo + n])
                 if need_dw:
-                    dw = _add_weight_grad(dw, dl, hc[rows])
+                    dw = add_weight_grad(dw, dl, hc[rows])
             if need_dw and dw is None:
                 dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         gh = None if dh is None else dh.to(h.dtype)

@@ -28,3 +28,14 @@ def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, labels
     """h [N, d], weight [V, d] (one dtype), labels [N] -> the loss of the logits h @ weight^T, computed
     in h's dtype (float64 inputs: all in float64); differentiable in h and weight."""
     return cross_entropy_reference(h @ weight.t(), labels)
+
+
+def add_weight_grad(dw: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dW [V, d] fp32 += g^T @ h. Half inputs: each chunk's product comes out of cuBLAS in the input
+    dtype (fp32 accumulation inside) and is summed in fp32 here, so one chunk equals the unfused path's
+    single rounded GEMM. (A CUDA-only fp32-output GEMM would drop that rounding for an fp32 temporary.)"""
+    if dw is None:
+        return torch.mm(g.t(), h).float()
+    if g.dtype == torch.float32:
+        return dw.addmm_(g.t(), h)
+    return dw.add_(torch.mm(g.t(), h))

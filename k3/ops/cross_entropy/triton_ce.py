@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.cross_entropy.reference import IGNORE_INDEX
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.backend import env_tile
+from k3.ops.cross_entropy.reference import IGNORE_INDEX, add_weight_grad
+from k3.ops.triton_utils import cvt
 
 TILE = (8192, 8)  # vocabulary block, warps per program: fastest of bench/cross_entropy.py --sweep (H200, V 32,768)
 
@@ -79,17 +80,6 @@ def ce_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, los
     _ce_rows[(n,)](logits, labels, loss, scale, V, IGNORE=IGNORE_INDEX, GRAD=grad, BV=bv, num_warps=warps)
 
 
-def _add_weight_grad(dw: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """dW [V, d] fp32 += g^T @ h. Half inputs: each chunk's product comes out of cuBLAS in the input
-    dtype (fp32 accumulation inside) and is summed in fp32 here, so one chunk equals the unfused path's
-    single rounded GEMM. (A CUDA-only fp32-output GEMM would drop that rounding for an fp32 temporary.)"""
-    if dw is None:
-        return torch.mm(g.t(), h).float()
-    if g.dtype == torch.float32:
-        return dw.addmm_(g.t(), h)
-    return dw.add_(torch.mm(g.t(), h))
-
-
 def chunked_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk_rows: int, need_dh: bool,
                     need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """h [N, d], w [V, d] in one dtype (contiguous), labels [N] -> (loss 0-dim fp32, dh [N, d] in h's dtype
@@ -110,7 +100,7 @@ def chunked_forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chun
         if need_dh:
             torch.mm(logits, w, out=dh[lo:lo + n])
         if need_dw:
-            dw = _add_weight_grad(dw, logits, hc)
+            dw = add_weight_grad(dw, logits, hc)
     if need_dw and dw is None:  # no rows
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     return row_loss.sum() / n_valid, dh, dw

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3.ops.grouped_gemm.reference import gmm_reference
-from k3.ops.grouped_gemm.triton_gmm import check_offs, gmm_wgrad
+from k3.ops.grouped_gemm.reference import check_offs, gmm_reference
 
 __all__ = ["expert_gemm"]
 
@@ -49,6 +48,8 @@ class _ExpertGEMM(torch.autograd.Function):
             for p in masters:
                 if p.grad is None:  # the step's first micro-batch writes, later ones add
                     p.grad = torch.empty_like(p) if fresh else torch.zeros_like(p)
+            from k3.ops.grouped_gemm.triton_gmm import gmm_wgrad  # Triton: imported where it runs
+
             gmm_wgrad(g, x, offs, tuple(p.grad for p in masters), accumulate=not fresh)
         return dx, None, None, None
 

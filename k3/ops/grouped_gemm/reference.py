@@ -8,6 +8,12 @@ from __future__ import annotations
 import torch
 
 
+def check_offs(offs: torch.Tensor, E: int) -> None:
+    """offs must be the [E] int32 cumulative row counts of the experts."""
+    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
+        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
+
+
 def expert_rows(offs: torch.Tensor) -> list[tuple[int, int]]:
     """[(start, end)] row range of each expert (host values)."""
     ends = offs.tolist()

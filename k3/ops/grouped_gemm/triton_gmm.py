@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import INTERPRETED, env_int, env_tile
+from k3.ops.backend import env_int, env_tile
+from k3.ops.grouped_gemm.reference import check_offs
+from k3.ops.triton_utils import INTERPRETED
 
 
 @triton.jit
@@ -57,12 +59,6 @@ def _gmm_wgrad(A, B, C1, C2, offs_ptr, M, N, M1, stride_am, stride_bm,
     if ACCUMULATE:
         acc += tl.load(c_ptrs, mask=cmask, other=0.0)
     tl.store(c_ptrs, acc, mask=cmask)
-
-
-def check_offs(offs: torch.Tensor, E: int) -> None:
-    """offs must be the [E] int32 cumulative row counts of the experts."""
-    if offs.dim() != 1 or offs.shape[0] != E or offs.dtype != torch.int32:
-        raise ValueError(f"offs must be [{E}] int32 cumulative row counts, got {list(offs.shape)} {offs.dtype}")
 
 
 def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: tuple[torch.Tensor, ...],

@@ -46,13 +46,13 @@ import torch
 import triton
 
 from k3.ops import to_device_async
+from k3.ops.backend import env_flag, env_int, env_int_opt
 from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
 from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
-from k3.ops.triton_utils import env_flag, env_int, env_int_opt
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
 

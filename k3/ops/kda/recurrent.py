@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import env_int, env_int_opt
+from k3.ops.backend import env_int, env_int_opt
 
 __all__ = ["fused_recurrent_kda", "commit_states"]
 

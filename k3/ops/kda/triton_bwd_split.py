@@ -63,7 +63,7 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
-from k3.ops.triton_utils import env_flag, env_int, env_int_opt
+from k3.ops.backend import env_flag, env_int, env_int_opt
 
 
 @triton.jit

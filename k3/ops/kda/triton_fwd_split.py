@@ -54,8 +54,8 @@ from k3.ops.kda.triton_common import (
     _ld,
     _stc,
 )
+from k3.ops.backend import env_int
 from k3.ops.kda.triton_fwd_v2 import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
-from k3.ops.triton_utils import env_int
 
 
 @triton.jit

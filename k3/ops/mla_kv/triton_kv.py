@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.backend import env_tile
+from k3.ops.triton_utils import cvt
 
 TILE = (32, 4)  # tokens, warps per program
 

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.backend import env_tile
 from k3.ops.moe_route import MAX_EXPERTS
-from k3.ops.triton_utils import env_tile
 
 # (top-k rows x padded experts per program, warps; slots per sort block, warps)
 TILE = (1024, 2, 1024, 4)  # ~16 keys per thread; the sweep of bench/moe_route.py was flat around these

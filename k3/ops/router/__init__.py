@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3.ops.backend import triton_runs_on
 from k3.ops.router.reference import router_logits_reference
-from k3.ops.triton_utils import triton_runs_on
 
 
 def split3(w: Tensor) -> Tensor:

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.backend import env_tile
+from k3.ops.triton_utils import cvt
 
 # Program tiles. "window" kernels: (strip rows, channels, warps); "tiles" kernels:
 # (rows, channels, warps) -- their backward's 64-row blocks measured fastest (H200, 65,536 tokens x 3,072

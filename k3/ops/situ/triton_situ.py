@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import cvt, env_tile
+from k3.ops.backend import env_tile
+from k3.ops.triton_utils import cvt
 
 TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep on an H200
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -1,4 +1,5 @@
-"""Vision configuration and the media-token rule (issue 8). The modules live in ``k3.model.vision``.
+"""Vision configuration and the media-token rule (issue 8), beside `k3.config` so that data, chat and
+serving read it without importing the model. The modules live in ``k3.model.vision``.
 
 Fields that the released ``vision_config`` dict leaves implicit have defaults derived from the
 spec's tensor inventory (168 vision/projector tensors, ~401M tower parameters): no biases,

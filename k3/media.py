@@ -160,6 +160,18 @@ def peek_image(data: bytes, *, max_side: int = MAX_IMAGE_SIDE) -> tuple[Image.Im
     return img, img.size[0], img.size[1], frames
 
 
+def peek_source(source: str | bytes | bytearray | memoryview | Image.Image, *, max_side: int = MAX_IMAGE_SIDE,
+                max_bytes: int = MAX_IMAGE_BYTES, allow_local: bool = True) -> tuple[Image.Image, int, int, int]:
+    """`peek_image` of any source (data: URI, local path, bytes) -> (lazy image, width, height, frames);
+    a PIL image is size-checked as is and counts as one frame."""
+    if isinstance(source, Image.Image):
+        w, h = source.size
+        if not (0 < w <= max_side and 0 < h <= max_side):
+            raise ImageError(f"image is {w}x{h} pixels; sides must be in [1, {max_side}]")
+        return source, w, h, 1
+    return peek_image(read_image_bytes(source, max_bytes=max_bytes, allow_local=allow_local), max_side=max_side)
+
+
 def decode_image(img: Image.Image) -> torch.Tensor:
     """A `peek_image` result -> float32 [3, H, W] in [-1, 1] (animated images: first frame)."""
     return pil_to_tensor(_decode(img))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from k3.data.images import (
+from k3.media import (
     ImageError,
     encode_png_data_uri,
     load_image,
