@@ -1,7 +1,7 @@
 import pytest
 
 from k3.reward.genrm import GenRM, GenRMConfig
-from k3.reward.judge_eval import (evaluate_judge, first_position_backend, longest_backend, math_items,
+from k3.rl.judge_eval import (evaluate_judge, first_position_backend, longest_backend, math_items,
                                   oracle_backend, truth_table, world_items)
 
 
