@@ -16,6 +16,7 @@ COMMANDS = [
     "chat_template",
     "serve",
     "chat",
+    "quantize",
 ]
 
 

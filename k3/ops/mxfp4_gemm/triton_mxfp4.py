@@ -4,7 +4,8 @@ y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (official
 Hopper has no FP4 tensor cores, so each program loads a [BN, BK/2] tile of packed bytes plus its E8M0
 bytes, expands the nibbles to float32 with integer ops (sign bit 3, E2M1 magnitude from bit patterns),
 multiplies by 2^(s-127) and feeds tl.dot in the activation dtype (exact: an E2M1 value times a power of
-two is a bf16 number). Weight bytes read are 4.25 bits per weight instead of 16: at decode, where the
+two is a bf16 number; the dequantisation is four integer ops and one multiply per weight, see
+`_raw_lo_hi`). Weight bytes read are 4.25 bits per weight instead of 16: at decode, where the
 expert GEMMs are bound by weight bandwidth, that is the speed-up.
 
 Even and odd input columns live in one byte's two nibbles, so a K tile is computed as two dots --
@@ -29,18 +30,24 @@ from k3.ops.triton_utils import INTERPRETED
 
 
 @triton.jit
-def _e2m1(nib):
-    """int32 nibbles (0..15) -> float32 E2M1 values: bit 3 sign, magnitude (0, .5, 1, 1.5, 2, 3, 4, 6)."""
-    c = nib & 7
-    # c >= 2: exponent (c >> 1) - 1, mantissa bit c & 1 -> float32 bits (c << 22) + (126 << 23)
-    bits = tl.where(c >= 2, (c << 22) + (126 << 23), tl.where(c == 1, 126 << 23, 0))
-    return (bits | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+def _raw_lo_hi(p):
+    """int32 bytes (0..255) -> (low nibble, high nibble) as float32 E2M1 values times 2^-126.
+
+    The nibble's 3 magnitude bits go straight to the two lowest exponent bits and the top mantissa bit
+    (its sign to bit 31): code c = (e1 e0 m) reads 2^(e-127) (1 + m/2) for e >= 1 and, as a float32
+    subnormal, m * 2^-127 for e = 0 -- the E2M1 value times 2^-126 in every case, in four integer ops."""
+    lo = ((p & 7) << 22) | ((p & 8) << 28)
+    hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e8m0(s):
-    """int32 E8M0 bytes -> float32 2^(s - 127) (byte 0: the subnormal 2^-127; byte 255: NaN)."""
-    bits = tl.where(s == 0, 1 << 22, s << 23)
+def _e8m0_shifted(s, SHIFT: tl.constexpr):
+    """int32 E8M0 bytes -> float32 2^(s - 127 + 126 - SHIFT), the factor that turns `_raw_lo_hi` values into
+    the weights times 2^-SHIFT. Bytes up to 127 + SHIFT are exact (SHIFT = 32: |W| < 6 * 2^33, far beyond
+    any trained weight); larger bytes give inf (NaN for zero nibbles), byte 255 NaN."""
+    e = s + (126 - SHIFT)  # biased exponent of 2^(s - 1 - SHIFT): >= 1 for SHIFT <= 125
+    bits = tl.where(e >= 255, 0x7F800000, e << 23)
     return tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
 
 
@@ -50,6 +57,8 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym,
                M_SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
     """Y[r, n] = sum_k X[r, k] W_e[n, k] for the rows r of expert e. X [S, K] (unit column stride),
     P uint8 [E, N, K/2], S uint8 [E, N, K/32] contiguous, Y [S, N]; BK divides K."""
+    SHIFT: tl.constexpr = 32
+    X_UP: tl.constexpr = 4294967296.0  # 2^SHIFT
     pn = tl.program_id(0)
     slot = tl.program_id(1)
     pm = tl.program_id(2)
@@ -76,9 +85,10 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym,
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):
             pk = tl.load(p_base + k0 // 2, mask=nmask[:, None], other=0).to(tl.int32)
-            sc = _e8m0(tl.load(s_base + k0 // 32, mask=nmask[:, None], other=127).to(tl.int32))
-            w_lo = _e2m1(pk & 15) * sc
-            w_hi = _e2m1(pk >> 4) * sc
+            sc = _e8m0_shifted(tl.load(s_base + k0 // 32, mask=nmask[:, None], other=127).to(tl.int32), SHIFT)
+            w_lo, w_hi = _raw_lo_hi(pk)
+            w_lo *= sc  # = W * 2^-SHIFT: one multiply per weight
+            w_hi *= sc
             x_ev = tl.load(x_base + k0, mask=mmask[:, None], other=0.0)
             x_od = tl.load(x_base + k0 + 1, mask=mmask[:, None], other=0.0)
             if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
@@ -88,7 +98,8 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym,
                 acc = tl.dot(x_ev, tl.trans(w_lo.to(x_ev.dtype)), acc)
                 acc = tl.dot(x_od, tl.trans(w_hi.to(x_ev.dtype)), acc)
         y_ptrs = Y + ms[:, None].to(tl.int64) * stride_ym + ns[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        # times 2^SHIFT: exact, undoes the weights' 2^-SHIFT
+        tl.store(y_ptrs, (acc * X_UP).to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @dataclass(frozen=True)
