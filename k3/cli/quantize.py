@@ -9,7 +9,8 @@ MXFP4 uses the OCP rule of k3.quant.mxfp4 (FLOOR shared exponent, round-to-neare
 weights already on the grid (an MXFP4 or QAT checkpoint) are kept exactly. Every other tensor is copied
 in the source's dtype, and the tokenizer files come along. With --eval-run the loss is measured as the
 trainer measures it (same validation batches), with MXFP4 experts kept packed (`pack_routed_experts`):
-the model computes with exactly the packed weights.
+the model computes with exactly the packed weights (and, for a run trained with `--qat mxfp4,mxfp8`, with
+its experts' input activations MXFP8-quantised, as served).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def evaluate_checkpoint(path: str, run_dir: str, device: str, packed: bool) -> f
     from k3.config import ConfigError, K3Config
     from k3.model.causal_lm import K3ForCausalLM
     from k3.model.moe import pack_routed_experts
+    from k3.quant.qat import QATConfig, apply_qat
     from k3.train.config import TrainConfig
     from k3.train.data import prepare_data
     from k3.train.state import load_run_config
@@ -74,6 +76,9 @@ def evaluate_checkpoint(path: str, run_dir: str, device: str, packed: bool) -> f
     model = K3ForCausalLM.from_pretrained(path, dtype="float32", device=device).eval()
     if packed:
         pack_routed_experts(model)
+    act = QATConfig.parse(cfg.qat).activations if cfg.qat else None
+    if act is not None:  # a run trained with MXFP8 expert activations is served with them
+        apply_qat(model, QATConfig(weights=None, activations=act))
     total, count = 0.0, 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast(
         "cpu", enabled=False)
