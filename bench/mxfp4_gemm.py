@@ -9,7 +9,8 @@ time (kimi-k3 w13 in bf16 is 39 GB). Outputs are checked against each other (bf1
 bf16 weights are the decoded MXFP4 weights).
 
 Prints a markdown table: ms per GEMM, speed-up of MXFP4 over bf16, and the expert-memory ratio
-(bf16 bytes / packed + scale bytes = 16 / 4.25).
+(bf16 bytes / packed + scale bytes = 16 / 4.25); then the forward time of a model (`--model`, default
+k3-small, random weights) on [B, 1] tokens with bf16 vs packed MXFP4 experts.
 
 Usage: python bench/mxfp4_gemm.py [--shapes k3-small,kimi-k3] [--batches 1,2,4,8,16,32,64]
        [--prefill 8192] [--reps 50]
@@ -97,6 +98,30 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
     return rows
 
 
+def model_step(preset: str, batches: list[int], reps: int, dev: str) -> None:
+    """Forward time of `preset` (random weights, bf16) on [B, 1] tokens, experts bf16 vs packed MXFP4: the
+    per-token work of a decode step without the cache (attention over one token), so the difference is
+    the routed experts'."""
+    from k3.config import get_preset
+    from k3.model.causal_lm import K3ForCausalLM
+    from k3.model.moe import pack_routed_experts
+
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(dtype).to(dev).eval()
+    ids = {b: torch.randint(0, 1000, (b, 1), device=dev) for b in batches}
+    with torch.no_grad():
+        t_bf16 = {b: timed(lambda: model(ids[b]).logits, reps, dev) for b in batches}
+        ref = {b: model(ids[b]).logits.float() for b in batches}
+        pack_routed_experts(model)  # PTQ of the random weights: logits differ by the rounding only
+        t_fp4 = {b: timed(lambda: model(ids[b]).logits, reps, dev) for b in batches}
+        agree = {b: float((model(ids[b]).logits.float().argmax(-1) == ref[b].argmax(-1)).float().mean())
+                 for b in batches}
+    print(f"\n{preset} forward of [B, 1] tokens (ms):\n| batch | bf16 experts | MXFP4 experts | speed-up | "
+          "argmax agreement |\n|---|---|---|---|---|")
+    for b in batches:
+        print(f"| {b} | {t_bf16[b]:.3f} | {t_fp4[b]:.3f} | {t_bf16[b] / t_fp4[b]:.2f}x | {agree[b]:.2f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="k3-small,kimi-k3")
@@ -104,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="8192", help="prefill token counts")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference path")
+    ap.add_argument("--model", default="k3-small", help="preset for the model forward timing ('' = skip)")
     args = ap.parse_args(argv)
     dev = "cpu" if args.smoke else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
@@ -125,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         E, k, mats = SHAPES[name]
         for mat, (N, K) in mats.items():
             bench_matrix(name, mat, E, k, N, K, token_counts, reps, dev, gen)
+    if args.model:
+        model_step("k3-tiny" if args.smoke else args.model, [int(b) for b in args.batches.split(",") if b],
+                   reps, dev)
     return 0
 
 

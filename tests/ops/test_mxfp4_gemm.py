@@ -104,3 +104,16 @@ def test_gpu_real_sizes(E, N, K, tokens, top_k):
     y = mxfp4_grouped_mm(x, packed, scale, offs)
     ref = mxfp4_gmm_reference(x, packed, scale, offs)
     assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2 * ref.float().abs().max().item())
+
+
+def test_bench_smoke_cpu():
+    """bench/mxfp4_gemm.py --smoke keeps working (tiny shapes, checks both GEMMs agree)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, str(root / "bench" / "mxfp4_gemm.py"), "--smoke", "--batches", "1,4",
+                        "--prefill", "64", "--model", ""], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| smoke | w13 [64, 64] | decode 4 | 8 |" in r.stdout and "| 3.76x |" in r.stdout

@@ -175,3 +175,22 @@ def test_packed_storage_memory_and_ptq_rounding():
     with pytest.raises(ValueError, match="packed"):
         apply_qat(m, QATConfig.parse("mxfp4"))
     apply_qat(m, QATConfig(weights=None, activations="mxfp8"))  # serving with MXFP8 activations is fine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_packed_serving_matches_decoded_bf16():
+    """bf16 on CUDA: the packed model (Triton MXFP4 GEMM) against the same weights decoded to bf16
+    (torch._grouped_mm): equal up to bf16 summation order."""
+    m = K3ForCausalLM(_cfg()).init_weights(seed=4).to(torch.bfloat16).cuda().eval()
+    for _, ex in _experts(m):
+        with torch.no_grad():
+            for n in ("w1", "w3", "w2"):
+                getattr(ex, n).copy_(quantize_dequantize_mxfp4(getattr(ex, n)))
+    ids = _ids(64).cuda()
+    with torch.no_grad():
+        want = m(ids).logits.float()
+        pack_routed_experts(m)
+        got = m(ids).logits.float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
