@@ -92,9 +92,6 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
         rows.append(f"| {name} | {mat} [{N}, {K}] | {label} | {S} | {t_ref:.4f} | {t_new:.4f} | "
                     f"{t_ref / t_new:.2f}x | {gbs:.0f} | {ratio:.2f}x | {err:.1e} |")
         print(rows[-1], flush=True)
-    del packed, scale, w_bf16
-    if dev == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -151,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         E, k, mats = SHAPES[name]
         for mat, (N, K) in mats.items():
             bench_matrix(name, mat, E, k, N, K, token_counts, reps, dev, gen)
+            if dev == "cuda":  # the matrix's tensors died with bench_matrix's frame
+                torch.cuda.empty_cache()
     if args.model:
         model_step("k3-tiny" if args.smoke else args.model, [int(b) for b in args.batches.split(",") if b],
                    reps, dev)
