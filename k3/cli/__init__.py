@@ -20,6 +20,7 @@ COMMANDS = [
     "eval",
     "rl",
     "distill",
+    "quantize",
 ]
 
 

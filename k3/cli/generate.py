@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--packed-experts", action="store_true",
+                   help="keep the routed experts packed MXFP4 in memory (4.25 bits/weight; the CUDA path runs the "
+                        "MXFP4 grouped GEMM); BF16 checkpoints are quantised on load")
     p.set_defaults(func=run)
 
 
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
         dtype = args.dtype or ("float32" if args.device == "cpu" else None)  # None: the checkpoint's dtype
         model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
+        if getattr(args, "packed_experts", False):
+            from k3.model.moe import pack_routed_experts
+
+            pack_routed_experts(model)
     else:
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed or 0)
         model.to_dtype(args.dtype or "float32").to(args.device)

@@ -55,6 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-local-media", action="store_true",
                    help="refuse local file paths as image sources (only data: URIs)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--packed-experts", action="store_true",
+                   help="keep the routed experts packed MXFP4 in memory (4.25 bits/weight; the CUDA path runs the "
+                        "MXFP4 grouped GEMM); BF16 checkpoints are quantised on load")
     p.set_defaults(func=run)
 
 
@@ -74,6 +77,10 @@ def load_model(args: argparse.Namespace):
     tokenizer = load_tokenizer(tok_dir)
     if args.checkpoint:
         model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=device)
+        if getattr(args, "packed_experts", False):
+            from k3.model.moe import pack_routed_experts
+
+            pack_routed_experts(model)
         name = os.path.basename(os.path.normpath(args.checkpoint))
     else:
         model = K3ForCausalLM(get_preset(args.preset)).init_weights(seed=args.seed)

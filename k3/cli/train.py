@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="tokens per forward/backward; a step accumulates gradients over micro-batches")
+    p.add_argument("--qat", default=None, metavar="FORMATS",
+                   help="quantisation-aware training of the routed experts: mxfp4 (weights) or mxfp4,mxfp8 "
+                        "(+ their input activations); the final checkpoint stores the experts packed MXFP4")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (under torchrun)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel degree (under torchrun)")
     p.set_defaults(func=run)
@@ -37,7 +40,7 @@ def build_config(args: argparse.Namespace):
     d = (load_run_config(args.out) or {}) if args.resume else {}
     if args.config:
         d.update(load_overrides(args.config))
-    for key in ("preset", "data", "out", "max_steps", "seed", "device", "micro_batch_tokens"):
+    for key in ("preset", "data", "out", "max_steps", "seed", "device", "micro_batch_tokens", "qat"):
         v = getattr(args, key)
         if v is not None:
             d[key] = v

@@ -57,7 +57,7 @@ from k3.model.safetensors_io import (
     write_shards,
 )
 from k3.vision_config import VisionConfig
-from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
+from k3.quant.mxfp4 import BLOCK, decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse, fake_quant_mxfp4
 
 __all__ = [
     "CheckpointError",
@@ -547,6 +547,13 @@ def _check_model_layout(state: dict[str, torch.Tensor], cfg: K3Config) -> None:
         raise CheckpointError("model does not match the config:\n  " + "\n  ".join(errs))
 
 
+def _trains_mxfp4(model: nn.Module) -> bool:
+    """True when the routed experts run through the MXFP4 fake quantiser (QAT, k3.quant.qat): their
+    weights are then saved packed by default, and the packed tensors decode to exactly the fake-quantised
+    weights the model computed with (the same OCP rule encodes the fp32 masters)."""
+    return any(getattr(m, "weight_transform", None) is fake_quant_mxfp4 for m in model.modules())
+
+
 def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
                     max_shard_bytes: int = 5 * 2**30, experts_format: str | None = None,
                     dtype: str | torch.dtype | None = None) -> list[str]:
@@ -558,7 +565,8 @@ def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
         cfg: the config to write (quantization_config adjusted to the experts format).
         path: target directory (created if absent; an existing checkpoint there is replaced).
         max_shard_bytes: shard size bound (a single tensor larger than it gets its own shard).
-        experts_format: "mxfp4", "bf16" or None (= "mxfp4" iff cfg.experts_mxfp4).
+        experts_format: "mxfp4", "bf16" or None (= "mxfp4" iff cfg.experts_mxfp4 or the experts train
+            with MXFP4 fake quantisation).
         dtype: storage dtype of the non-F32 tensors: "bfloat16" (default, official) or
             "float32" (lossless for an fp32 model; not the official dtype).
     Returns:
@@ -568,7 +576,7 @@ def save_checkpoint(model: nn.Module, cfg: K3Config, path: str | os.PathLike, *,
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be positive")
-    fmt = _check_format(experts_format, cfg)
+    fmt = _check_format(experts_format if experts_format is not None or not _trains_mxfp4(model) else "mxfp4", cfg)
     out_dtype = target_dtype(dtype) or torch.bfloat16
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype={dtype!r}: must be 'bfloat16' or 'float32'")

@@ -13,6 +13,8 @@ from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
 from k3.ops.grouped_gemm import expert_gemm
 from k3.ops.backend import env_flag, triton_runs_on
+from k3.ops.mxfp4_gemm import mxfp4_grouped_mm
+from k3.quant.mxfp4 import decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
 
 class Router(nn.Module):
@@ -58,13 +60,64 @@ class RoutedExperts(nn.Module):
         # The one place expert weights pass through on their way to compute: QAT installs an
         # MXFP4 fake-quantiser here (weights -> weights), serving may install a dequantiser.
         self.weight_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Applied to the inputs of the expert GEMMs (the latent tokens, the GLU output): QAT's MXFP8
+        # fake-quantiser (k3.quant.qat). Row-local, so it commutes with the token dispatch.
+        self.input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.num_experts = E
+        # Serving storage (`pack_mxfp4`): w13_packed / w2_packed uint8 + E8M0 scales instead of w1 / w3 / w2.
+        self.packed = False
+        self.packed_dtype = torch.float32
         # Set by K3ForCausalLM.step_weights() for one optimizer step: the (w13, w2) compute copies shared by
         # the step's micro-batches (see _train_weights).
         self.step_cache: StepCache | None = None
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) as the GEMMs use them: through `weight_transform`, or decoded from the packed
+        MXFP4 storage (exact, in `packed_dtype`)."""
+        if self.packed:
+            w13 = decode_mxfp4(self.w13_packed, self.w13_scale, dtype=self.packed_dtype)
+            w1, w3 = w13.chunk(2, dim=1)
+            return w1, w3, decode_mxfp4(self.w2_packed, self.w2_scale, dtype=self.packed_dtype)
         f = self.weight_transform
         return (self.w1, self.w3, self.w2) if f is None else (f(self.w1), f(self.w3), f(self.w2))
+
+    def pack_mxfp4(self, scales: dict[str, torch.Tensor] | None = None) -> None:
+        """Switch to packed MXFP4 storage for serving (in place, 4.25 bits per weight): buffers
+        w13_packed uint8 [E, 2I, L/2], w13_scale uint8 [E, 2I, L/32] (gate rows then up rows),
+        w2_packed [E, L, I/2], w2_scale [E, L, I/32]; the parameters w1 / w3 / w2 are dropped.
+
+        Weights on the MXFP4 grid (an MXFP4 checkpoint, a QAT model's fake-quantised masters) are kept
+        exactly; others are rounded by the OCP rule (post-training quantisation). `scales` ("w1", "w3",
+        "w2" -> uint8 [E, out, in/32], e.g. a loaded checkpoint's) are reused where they encode a block
+        exactly. Decoding happens in the dtype the weights had (`packed_dtype`)."""
+        if self.packed:
+            return
+        scales = scales or {}
+        with torch.no_grad():
+            enc = {}
+            for n in ("w1", "w3", "w2"):
+                w = getattr(self, n)
+                if not torch.isfinite(w).all():
+                    raise ValueError(f"experts.{n}: non-finite weights cannot be packed as MXFP4")
+                s = scales.get(n)
+                enc[n] = encode_mxfp4(w) if s is None else encode_mxfp4_reuse(w, s.to(w.device))
+            self.packed_dtype = self.w1.dtype
+        for n in ("w1", "w3", "w2"):
+            self._parameters[n] = None
+        self.register_buffer("w13_packed", torch.cat([enc["w1"][0], enc["w3"][0]], dim=1))
+        self.register_buffer("w13_scale", torch.cat([enc["w1"][1], enc["w3"][1]], dim=1))
+        self.register_buffer("w2_packed", enc["w2"][0])
+        self.register_buffer("w2_scale", enc["w2"][1])
+        self.packed = True
+
+    def _transform_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_transform is None else self.input_transform(x)
+
+    def _packed_cuda(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Serving on CUDA from packed storage: the MXFP4 grouped GEMMs dequantise in registers."""
+        ab = mxfp4_grouped_mm(xs, self.w13_packed, self.w13_scale, offs)
+        h = self._transform_input(self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin))
+        return mxfp4_grouped_mm(h, self.w2_packed, self.w2_scale, offs)
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """z: [N, L]; idx, w: [N, k] -> sum_k w * round_to_dtype(E_idx(z)) accumulated in fp32, [N, L] in the
@@ -73,9 +126,12 @@ class RoutedExperts(nn.Module):
         Tokens are permuted into expert-sorted slots once (a gather, whose backward is a gather and a
         k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""
         k = idx.shape[1]
-        E, I = self.w1.shape[:2]
+        E = self.num_experts
         order, inv, counts = route_slots(idx, E)
-        xs = self.kernels.dispatch(z, order, inv, k)
+        xs = self.kernels.dispatch(self._transform_input(z), order, inv, k)
+        if self.packed and z.is_cuda and z.dtype == torch.bfloat16:
+            y = self._packed_cuda(xs, torch.cumsum(counts, 0, dtype=torch.int32))
+            return self.kernels.combine(y, w.float(), order, inv)
         w1, w3, w2 = self.weights()
         if z.is_cuda and z.dtype == torch.bfloat16:
             # fp32 master weights under autocast: _grouped_mm wants both operands in bf16. While training
@@ -95,7 +151,7 @@ class RoutedExperts(nn.Module):
                 a, b = (torch._grouped_mm(xs, t.to(z.dtype).transpose(-2, -1), offs=offs) for t in (w1, w3))
                 h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
                 w2c = w2.to(z.dtype)
-            y = _expert_mm(h, w2c, offs, masters[1])
+            y = _expert_mm(self._transform_input(h), w2c, offs, masters[1])
         else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
             # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice;
             # the activation runs once over all slots, as on the GPU path.
@@ -115,6 +171,7 @@ class RoutedExperts(nn.Module):
                     a = torch.cat([xe[e] @ w1s[e].t() for e in live])
                     b = torch.cat([xe[e] @ w3s[e].t() for e in live])
                     h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+                h = self._transform_input(h)
                 w2s = w2c.unbind(0)
                 y = torch.cat([he @ w2s[e].t() for he, e in zip(h.split([sizes[e] for e in live]), live)])
         # back in (token, k) order and summed over k in a fixed order (no atomics): a CUDA graph replay
@@ -188,3 +245,16 @@ class LatentMoE(nn.Module):
         if shared is not None:
             rest = shared.down_from_gate_up(ab[0], rest) if ab else shared(x2, rest)
         return linear_residual(r, self.routed_expert_up_proj.gemm_weight(), rest).reshape(shape)
+
+
+def pack_routed_experts(model: nn.Module) -> int:
+    """Switch every `RoutedExperts` of `model` to packed MXFP4 storage (`RoutedExperts.pack_mxfp4`), reusing
+    the E8M0 bytes a loaded MXFP4 checkpoint left in `model._k3_mxfp4_scales` (so the packed bytes are the
+    file's). Returns the number of expert modules packed."""
+    remembered = getattr(model, "_k3_mxfp4_scales", {})
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, RoutedExperts):
+            m.pack_mxfp4({w: remembered[f"{name}.{w}"] for w in ("w1", "w3", "w2") if f"{name}.{w}" in remembered})
+            n += 1
+    return n

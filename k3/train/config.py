@@ -69,6 +69,9 @@ class TrainConfig:
     qb_bins: int = 256
     activation_checkpointing: bool = False
     compile: bool = False
+    # Quantisation-aware training of the routed experts (k3.quant.qat): "mxfp4" (weights), "mxfp4,mxfp8"
+    # (+ the experts' input activations) or None. The final export then stores the experts packed MXFP4.
+    qat: str | None = None
     device: str | None = None  # default: cuda if available else cpu
     cache_dir: str | None = None  # tokenised-corpus cache; default ~/.cache/k3
     # Vision-language models only (the model config has a vision_config): each step also trains on
@@ -121,6 +124,10 @@ class TrainConfig:
             bad("vision_loss_weight", "must be >= 0")
         if len(self.vision_image_size) != 2 or not 28 <= self.vision_image_size[0] <= self.vision_image_size[1]:
             bad("vision_image_size", "must be [min_side, max_side] with 28 <= min_side <= max_side")
+        if self.qat is not None:
+            from k3.quant.qat import QATConfig
+
+            QATConfig.parse(self.qat)  # raises ConfigError naming the flag
         freqs = list(self.vision_kinds.values()) if isinstance(self.vision_kinds, dict) else []
         if not freqs or any(not isinstance(w, (int, float)) or w < 0 for w in freqs) or sum(freqs) <= 0:
             bad("vision_kinds", "must map generator kinds to non-negative frequencies with a positive sum")

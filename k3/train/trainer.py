@@ -21,6 +21,7 @@ from k3.model.moe import LatentMoE
 from k3.ops import to_device_async
 from k3.optim import HeadGeometry, PerHeadMuon
 from k3.optim.balance_baselines import make_balancer
+from k3.quant.qat import QATConfig, apply_qat
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
@@ -83,6 +84,8 @@ class Trainer:
         if self.par is not None and self.main:
             self.par.barrier()
         self.model = self.make_model().to(self.device)
+        if cfg.qat:  # fake quantisers on the routed experts (k3.quant.qat); no new parameters
+            apply_qat(self.model, QATConfig.parse(cfg.qat))
         self.num_params = self.model.num_parameters()
         self.peak = peak_bf16_flops(self.device)  # None on CPU / unknown GPUs: no MFU then
         if self.device.type == "cpu":
@@ -409,6 +412,8 @@ class Trainer:
                 return
             model = K3ForCausalLM(self.model_config)
             model.load_state_dict(sd)
+            if self.cfg.qat:  # the export packs the experts exactly as the QAT forward quantised them
+                apply_qat(model, QATConfig.parse(self.cfg.qat))
         model.save_pretrained(path, dtype="float32" if self.model_config.dtype == "float32" else None)
         self.data.tokenizer.save(path)
         self.progress.message(f"saved {path}")
