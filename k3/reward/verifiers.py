@@ -84,25 +84,50 @@ def extract_code(content: str) -> str:
 
 
 _HARNESS = """
-import json as _json
+import ast as _ast
+_eval, _type, _isinstance, _print, _len, _all = eval, type, isinstance, print, len, all
+_PLAIN = (int, float, str, bool, type(None), bytes)
+def _plain(v):
+    if _type(v) in _PLAIN:
+        return True
+    if _type(v) in (list, tuple):
+        return _all(_plain(x) for x in v)
+    if _type(v) is dict:
+        return _all(_plain(k) and _plain(x) for k, x in v.items())
+    return False
+def _check(t, ns):
+    node = _ast.parse(t, mode="eval").body
+    if _isinstance(node, _ast.Compare) and _len(node.ops) == 1 and _isinstance(node.ops[0], _ast.Eq):
+        a = _eval(compile(_ast.Expression(node.left), "test", "eval"), ns)
+        b = _eval(compile(_ast.Expression(node.comparators[0]), "test", "eval"), ns)
+        same = _type(a) is _type(b) or (_type(a) in (int, float) and _type(b) in (int, float))
+        return _plain(a) and _plain(b) and same and a == b
+    return _eval(t, ns) is True
+_ns = {{"__name__": "candidate"}}
+try:
+    exec(compile({code!r}, "candidate", "exec"), _ns)
+except BaseException:
+    pass
 _passed = 0
 _tests = {tests!r}
 for _t in _tests:
     try:
-        if eval(_t):
+        if _check(_t, _ns):
             _passed += 1
     except BaseException:
         pass
-print({marker!r}, _passed, len(_tests))
+_print({marker!r}, _passed, _len(_tests))
 """
 
 
 def unit_test_program(code: str, tests: list[str], marker: str = "K3_TESTS_PASSED") -> str:
-    """The candidate's code followed by a harness that evaluates each test expression (e.g.
-    'f(2) == 5') and prints `marker passed total`; a candidate that fails to import passes nothing.
+    """A program that runs the candidate's code in its own namespace, then evaluates each test
+    expression (e.g. 'f(2) == 5') with builtins captured before the candidate ran, and prints
+    `marker passed total`. An `a == b` test passes only when both sides are plain values (numbers,
+    strings, None, and lists / tuples / dicts of them) of the same type (int and float compare as numbers): a returned object whose
+    `__eq__` always answers True does not pass. A candidate that fails to import passes nothing.
     code_score uses a fresh random marker per run, so a candidate cannot print a fake tally."""
-    guarded = "try:\n    exec(compile({!r}, 'candidate', 'exec'))\nexcept BaseException:\n    pass\n".format(code)
-    return guarded + _HARNESS.format(tests=list(tests), marker=marker)
+    return _HARNESS.format(code=code, tests=list(tests), marker=marker)
 
 
 def code_score(runner: CodeRunner, content: str, tests: list[str], timeout_s: float = 5.0) -> float:

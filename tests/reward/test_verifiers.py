@@ -105,3 +105,20 @@ def test_sandbox_runner_adapter_with_fake_sandbox(tmp_path):
 
     instr, ref, tests = make_code_problem(4)
     assert code_score(SandboxRunner(FakeSandbox()), ref, tests) == 1.0
+
+
+def test_code_score_in_a_real_sandbox_resists_gamed_tests():
+    """k3.envs.sandbox (bwrap) behind SandboxRunner: right code passes; an object whose __eq__ always
+    answers True, a patched builtins.eval, a printed fake tally and a bool for an int all score 0."""
+    from k3.envs.sandbox import Sandbox
+    from k3.reward.verifiers import SandboxRunner
+
+    tests = ["f(2) == 5", "f(0) == 1"]
+    hacks = ["class A:\n    def __eq__(self, o): return True\ndef f(x): return A()",
+             "import builtins\nbuiltins.eval = lambda *a, **k: True\ndef f(x): return 0",
+             "print('K3_TESTS_PASSED 2 2')\ndef f(x): return 0",
+             "def f(x): return True"]
+    with Sandbox.create(backend="bwrap") as sb:
+        runner = SandboxRunner(sb)
+        assert code_score(runner, "```python\ndef f(x):\n    return 2 * x + 1.0\n```", tests) == 1.0
+        assert [code_score(runner, h, tests) for h in hacks] == [0.0] * len(hacks)
