@@ -3,9 +3,7 @@ teacher and the student's task reward on that teacher's (domain, effort), per st
 
 from __future__ import annotations
 
-import os
-
-from k3.train.metrics import read_metrics
+from k3.train.metrics import read_metrics, save_figure
 
 
 def plot_distill(metrics_path: str, png_path: str, teachers: list[str]) -> bool:
@@ -35,8 +33,5 @@ def plot_distill(metrics_path: str, png_path: str, teachers: list[str]) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)
     return True

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3.optim.quantile_balance import QuantileBalancer, balance_stats
+from k3.optim.quantile_balance import QuantileBalancer, balance_stats, layer_biases
 
 __all__ = ["BALANCING_METHODS", "SignBalancer", "make_balancer"]
 
@@ -73,13 +73,7 @@ class SignBalancer:
     ) -> dict[int, Tensor]:
         """b[e] += rate * sign(mean - load[e]) in place for observed layers; reset the counts.
         biases / all_reduce / return value: as QuantileBalancer.step."""
-        items = biases.items() if isinstance(biases, Mapping) else enumerate(biases)
-        targets = {int(i): b for i, b in items if b is not None}
-        for i, b in targets.items():
-            if not 0 <= i < self.num_layers or tuple(b.shape) != (self.num_experts,):
-                raise ValueError(
-                    f"biases[{i}]: expected a layer in [0, {self.num_layers}) with shape ({self.num_experts},)"
-                )
+        targets = layer_biases(biases, self.num_layers, self.num_experts)
         if self._buf is None:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
             self._buf = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.int64, device=device)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QuantileBalancer", "balance_stats", "biased_margins", "exact_bias_update"]
+__all__ = ["QuantileBalancer", "balance_stats", "biased_margins", "exact_bias_update", "layer_biases"]
 
 _SPACINGS = ("linear", "asinh")
 _ESTIMATORS = ("histogram", "exact")
@@ -92,6 +92,18 @@ def balance_stats(loads: Tensor, tokens: Tensor, top_k: int) -> tuple[Tensor, Te
     cv = (loads - mean.unsqueeze(-1)).square().mean(-1).sqrt() / mean
     nan = torch.full_like(ratio, float("nan"))
     return torch.where(tokens > 0, ratio, nan).cpu(), torch.where(tokens > 0, cv, nan).cpu()
+
+
+def layer_biases(biases: Mapping[int, Tensor] | Sequence[Tensor | None], num_layers: int,
+                 num_experts: int) -> dict[int, Tensor]:
+    """{layer index: bias [E]} from a mapping or a per-layer list (None = no MoE layer), each checked to
+    be a layer in [0, num_layers) with shape (num_experts,): the `biases` argument of a balancer's step."""
+    items = biases.items() if isinstance(biases, Mapping) else enumerate(biases)
+    targets = {int(i): b for i, b in items if b is not None}
+    for i, b in targets.items():
+        if not 0 <= i < num_layers or tuple(b.shape) != (num_experts,):
+            raise ValueError(f"biases[{i}]: expected a layer in [0, {num_layers}) with shape ({num_experts},)")
+    return targets
 
 
 class QuantileBalancer:
@@ -251,13 +263,7 @@ class QuantileBalancer:
         balancer configuration. Layers with no observed tokens keep their bias.
         Returns {layer_idx: new bias}; load_balance() then reports the observed batch.
         """
-        items = biases.items() if isinstance(biases, Mapping) else enumerate(biases)
-        targets = {int(i): b for i, b in items if b is not None}
-        for i, b in targets.items():
-            if not 0 <= i < self.num_layers or tuple(b.shape) != (self.num_experts,):
-                raise ValueError(
-                    f"biases[{i}]: expected a layer in [0, {self.num_layers}) with shape ({self.num_experts},)"
-                )
+        targets = layer_biases(biases, self.num_layers, self.num_experts)
         if self._buf is None:
             device = next(iter(targets.values())).device if targets else torch.device("cpu")
             self._ensure_buffer(device)

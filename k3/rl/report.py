@@ -3,9 +3,7 @@ effort, and the partial-rollout bookkeeping (staleness, clip fraction)."""
 
 from __future__ import annotations
 
-import os
-
-from k3.train.metrics import read_metrics
+from k3.train.metrics import read_metrics, save_figure
 
 
 def plot_rl(metrics_path: str, png_path: str, efforts: tuple[str, ...]) -> bool:
@@ -45,8 +43,5 @@ def plot_rl(metrics_path: str, png_path: str, efforts: tuple[str, ...]) -> bool:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)
     return True

@@ -80,6 +80,16 @@ def _fmt(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds % 3600 // 60:02d}"
 
 
+def save_figure(fig: Any, png_path: str) -> None:
+    """Write a matplotlib figure to `png_path` atomically (a temporary file, then a rename) and close it."""
+    import matplotlib.pyplot as plt
+
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+
+
 def plot_losses(metrics_path: str, png_path: str) -> bool:
     """Write the loss curve (training loss and validation loss vs step). Returns False without matplotlib."""
     try:
@@ -106,10 +116,7 @@ def plot_losses(metrics_path: str, png_path: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)
     return True
 
 
@@ -151,8 +158,5 @@ def plot_balance(metrics_path: str, png_path: str) -> bool:
     axes[0].legend(fontsize=7, ncol=3)
     axes[1].set_xlabel("step")
     fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    save_figure(fig, png_path)
     return True
