@@ -31,6 +31,8 @@ Encoding (`encode_mxfp4`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "mxfp4_scales_ocp",
     "quantize_dequantize_mxfp4",
     "fake_quant_mxfp4",
+    "straight_through",
     "BLOCK",
 ]
 
@@ -224,15 +227,20 @@ def quantize_dequantize_mxfp4(w: torch.Tensor, scale: torch.Tensor | None = None
     return out.reshape(w.shape).to(w.dtype)
 
 
-class _FakeQuantSTE(torch.autograd.Function):
+class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return quantize_dequantize_mxfp4(w)
+    def forward(ctx, x: torch.Tensor, quantize: Callable) -> torch.Tensor:  # type: ignore[override]
+        return quantize(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         # Straight-through: the rounding is treated as identity for the gradient (spec §4.4).
-        return grad
+        return grad, None
+
+
+def straight_through(quantize: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """quantize(x) in the forward, identity in the backward (the straight-through estimator of QAT)."""
+    return _StraightThrough.apply(x, quantize)
 
 
 def fake_quant_mxfp4(w: torch.Tensor) -> torch.Tensor:
@@ -244,4 +252,4 @@ def fake_quant_mxfp4(w: torch.Tensor) -> torch.Tensor:
     Returns:
         [..., out, in] of w.dtype, on the MXFP4 grid.
     """
-    return _FakeQuantSTE.apply(w)
+    return straight_through(quantize_dequantize_mxfp4, w)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from k3.quant.mxfp4 import straight_through
+
 __all__ = ["E4M3_MAX", "MXFP8_BLOCK", "mxfp8_exponents", "quantize_dequantize_mxfp8", "fake_quant_mxfp8"]
 
 MXFP8_BLOCK = 32
@@ -68,17 +70,6 @@ def quantize_dequantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
     return q.reshape(x.shape).to(x.dtype)
 
 
-class _FakeQuantSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return quantize_dequantize_mxfp8(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        # straight-through: the rounding (and the rare saturation of a block's top values) is identity
-        return grad
-
-
 def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:
     """MXFP8 E4M3 fake quantisation for QAT: forward = `quantize_dequantize_mxfp8`, backward = identity.
 
@@ -87,4 +78,4 @@ def fake_quant_mxfp8(x: torch.Tensor) -> torch.Tensor:
     Returns:
         [..., n] of x.dtype.
     """
-    return _FakeQuantSTE.apply(x)
+    return straight_through(quantize_dequantize_mxfp8, x)
