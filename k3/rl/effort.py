@@ -1,11 +1,14 @@
 """Effort budgets (spec k3_posttraining.md §3): every task has an answer-length budget b (tokens);
-each effort level e has a permitted multiple m_e (low < high < max). A correct attempt of length ℓ
-earns
+each effort level e has a permitted multiple m_e (low < high < max). An attempt of length ℓ with
+verifier score s in [0, 1] earns s·f(ℓ), the length factor
 
-    1                                      if ℓ <= m_e·b
-    1 − α·min(1, (ℓ − m_e·b) / (m_e·b))    otherwise
+    f(ℓ) = 1                                      if ℓ <= m_e·b
+    f(ℓ) = 1 − α·min(1, (ℓ − m_e·b) / (m_e·b))    otherwise.
 
-and a wrong attempt earns its verifier score unchanged (never a bonus for brevity). ℓ counts every
+For a correct attempt (s = 1) this is the spec's formula; a wrong attempt (s = 0) earns 0 at any
+length (never a bonus for brevity). Partial credit (the shaped math reward, unit-test fractions) is
+scaled by the same factor (`scale_partial`, default on): a small model is almost never exactly right,
+so with the penalty on s = 1 only, the budget would never act on it. ℓ counts every
 token the model generated in the attempt (thinking, answer and tool calls of all turns). Sampling
 stops at cap_factor·m_e·b tokens per attempt: past 2·m_e·b the penalty is saturated (α), so longer
 generation only spends compute. The effort reaches the model as XTML's `thinking_effort` system
@@ -24,12 +27,14 @@ EFFORTS = ("low", "high", "max")
 @dataclass
 class EffortConfig:
     """multiples: m_e per effort (strictly increasing low < high < max). alpha: the largest penalty.
-    cap_factor: the sampling cap in units of m_e·b. min_budget: floor of b (tokens)."""
+    cap_factor: the sampling cap in units of m_e·b. min_budget: floor of b (tokens).
+    scale_partial: apply the length factor to partial scores 0 < s < 1 too (False: only s >= 1)."""
 
     multiples: dict[str, float] = field(default_factory=lambda: {"low": 1.0, "high": 2.0, "max": 4.0})
     alpha: float = 0.5
     cap_factor: float = 2.0
     min_budget: int = 4
+    scale_partial: bool = True
 
     def validate(self) -> "EffortConfig":
         unknown = set(self.multiples) - set(EFFORTS)
@@ -51,14 +56,14 @@ class EffortConfig:
 
 
 def effort_reward(score: float, length: int, budget: float, effort: str, cfg: EffortConfig) -> float:
-    """The verifier's score in [0, 1] shaped by the effort budget: only a fully correct attempt
-    (score >= 1) is penalised for length; the formula is the module docstring's."""
-    if score < 1.0:
+    """The verifier's score in [0, 1] times the effort budget's length factor (module docstring); a
+    score of 0 stays 0, and with `scale_partial` off only a fully correct attempt (>= 1) is scaled."""
+    if score <= 0.0 or (score < 1.0 and not cfg.scale_partial):
         return float(score)
     allowed = cfg.multiple(effort) * max(budget, cfg.min_budget)
     if length <= allowed:
-        return 1.0
-    return 1.0 - cfg.alpha * min(1.0, (length - allowed) / allowed)
+        return float(score)
+    return float(score) * (1.0 - cfg.alpha * min(1.0, (length - allowed) / allowed))
 
 
 def max_tokens_for(budget: float, effort: str, cfg: EffortConfig) -> int:

@@ -13,9 +13,15 @@ def test_penalty_shape():
     assert effort_reward(1.0, 99, b, "low", cfg) == pytest.approx(0.5)   # saturated at alpha
     assert effort_reward(1.0, 40, b, "max", cfg) == 1.0
     assert effort_reward(1.0, 30, b, "high", cfg) == pytest.approx(1 - 0.5 * 0.5)
-    # wrong answers are never rewarded for brevity; partial scores pass through unchanged
+    # wrong answers are never rewarded for brevity; partial scores get the same length factor
     assert effort_reward(0.0, 1, b, "low", cfg) == 0.0
-    assert effort_reward(0.4, 500, b, "low", cfg) == 0.4
+    assert effort_reward(0.0, 500, b, "low", cfg) == 0.0
+    assert effort_reward(0.4, 10, b, "low", cfg) == pytest.approx(0.4)
+    assert effort_reward(0.4, 15, b, "low", cfg) == pytest.approx(0.4 * 0.75)
+    assert effort_reward(0.4, 500, b, "low", cfg) == pytest.approx(0.4 * 0.5)
+    off = EffortConfig(scale_partial=False).validate()
+    assert effort_reward(0.4, 500, b, "low", off) == 0.4
+    assert effort_reward(1.0, 20, b, "low", off) == pytest.approx(0.5)
 
 
 def test_caps_ordered_and_validation():
