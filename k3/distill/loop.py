@@ -1,4 +1,5 @@
-"""`k3 distill`: multi-teacher on-policy distillation on one device (docs/distill.md).
+"""`k3 distill`: multi-teacher on-policy distillation on one device (docs/distill.md); the loop
+skeleton (checkpoints, evaluation hooks, Ctrl-C, export) is k3.rl.trainer.OnPolicyTrainer.
 
 Each step: (domain, effort) keys are drawn with the teachers' mixture weights, a task of that
 domain is paired with that effort, the student samples G attempts per pair with the engine
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -26,45 +25,24 @@ from k3.distill.losses import opd_loss
 from k3.distill.report import plot_distill
 from k3.distill.teachers import ModelTeacher, RemoteTeacher, Router, TeacherSpec, domain_of, vllm_prompt_logprobs
 from k3.model.causal_lm import K3ForCausalLM
-from k3.optim import PerHeadMuon, build_param_groups
-from k3.rl.effort import BudgetTracker, EffortConfig
-from k3.rl.losses import PGConfig
+from k3.rl.effort import BudgetTracker
 from k3.rl.rollout import RolloutConfig, RolloutManager
 from k3.rl.tasks import build_tasks
-from k3.serve.engine import Engine, EngineConfig
-from k3.train.metrics import MetricsLog, Progress, truncate_metrics
-from k3.train.state import load_state, rng_state, save_state, set_rng_state, state_path
+from k3.rl.trainer import OnPolicyConfig, OnPolicyTrainer, jsonable
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(OnPolicyConfig):
     """student: checkpoint directory (official layout + tokenizer). teachers: one TeacherSpec per
-    (domain, effort), weight = its share of the sampled pairs. Other fields as `k3.rl.loop.RLConfig`.
+    (domain, effort), weight = its share of the sampled pairs. Other fields: k3.rl.trainer.OnPolicyConfig.
     eval_teachers: measure each teacher's held-out stats once (reported next to the student's)."""
 
     student: str = ""
     teachers: list[TeacherSpec] = field(default_factory=list)
     out: str = "runs/distill"
     max_steps: int = 40
-    seed: int = 0
-    lr: float = 1e-3
-    adamw_lr: float = 3e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    train_tasks: int = 512
     eval_tasks: int = 8
-    eval_group: int = 4
     eval_teachers: bool = True
-    save_every: int = 10
-    micro_batch_tokens: int = 4096
-    memory_budget_mb: int = 256
-    device: str | None = None
-    math_levels: tuple[int, ...] = (1, 2)
-    math_partial: float = 0.5
-    threads: int | None = None
-    plots: bool = True
-    pg: PGConfig = field(default_factory=PGConfig)
-    effort: EffortConfig = field(default_factory=EffortConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=2, batch_groups=8))
 
     def validate(self) -> "DistillConfig":
@@ -76,14 +54,10 @@ class DistillConfig:
         dup = sorted({f"{d}:{e}" for d, e in keys if keys.count((d, e)) > 1})
         if dup:
             raise ValueError(f"two teachers for {', '.join(dup)}: routing must be unambiguous")
-        if self.max_steps < 1 or self.train_tasks < 1 or self.eval_tasks < 0 or self.save_every < 1:
-            raise ValueError("max_steps, train_tasks and save_every must be >= 1, eval_tasks >= 0")
         missing = sorted({t.effort for t in self.teachers} - set(self.effort.multiples))
         if missing:
             raise ValueError(f"efforts {missing} have no permitted multiple in the effort config")
-        self.pg.validate()
-        self.effort.validate()
-        self.rollout.validate()
+        self.validate_common()
         return self
 
 
@@ -109,25 +83,12 @@ def load_teacher(spec: TeacherSpec, vocab_size: int, device: torch.device) -> An
     return ModelTeacher(spec.name, K3ForCausalLM.from_pretrained(spec.path, dtype=torch.float32).to(device))
 
 
-class DistillTrainer:
+class DistillTrainer(OnPolicyTrainer):
     def __init__(self, cfg: DistillConfig, resume: bool = False, teachers: dict | None = None,
                  runner: Any = None) -> None:
         """teachers: optional prebuilt (domain, effort) -> teacher objects (tests, remote stand-ins).
         runner: the sandbox of the code domain's unit tests (k3.reward.verifiers.CodeRunner)."""
-        self.cfg = cfg.validate()
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if cfg.threads is not None or self.device.type == "cpu":
-            torch.set_num_threads(cfg.threads or 1)
-        self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
-        if resume:
-            state_path(self.ckpt_dir)
-        self.tok = load_tokenizer(cfg.student)
-        self.model = K3ForCausalLM.from_pretrained(cfg.student, dtype=torch.float32).to(self.device)
-        torch.manual_seed(cfg.seed)
-        self.engine = self._engine(self.model)
-        geom = self.model.config.text_config
-        self.opt = PerHeadMuon(build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                  adamw_lr=cfg.adamw_lr))
+        super().__init__(cfg.validate(), cfg.student, resume)
         self.router = Router(teachers or {s.key: load_teacher(s, self.tok.vocab_size, self.device)
                                           for s in cfg.teachers})
         self.domains = sorted({s.domain for s in cfg.teachers})
@@ -140,21 +101,12 @@ class DistillTrainer:
             if bad:
                 raise ValueError(f"tasks {bad[:3]} built for domain {d} report another domain")
         self.rollouts = RolloutManager(self.engine, self.tok, cfg.rollout, cfg.effort, BudgetTracker())
-        self.step, self.draws = 0, 0
+        self.draws = 0
         self.teacher_eval: dict = {}
-        self.before: dict = {}
-        os.makedirs(cfg.out, exist_ok=True)
-        if resume:
-            self._resume()
-        self.log = MetricsLog(os.path.join(cfg.out, "metrics.jsonl"), resume=resume)
-        self.progress = Progress(cfg.max_steps)
-
-    def _engine(self, model: torch.nn.Module) -> Engine:
-        return Engine(model, self.tok, EngineConfig(memory_budget_bytes=self.cfg.memory_budget_mb << 20,
-                                                    page_size=16, unit_size=16, max_running=256))
+        self.start(resume)
 
     # ---- task stream -----------------------------------------------------------------------------------
-    def _source(self) -> Iterator[tuple[Any, str]]:
+    def task_stream(self) -> Iterator[tuple[Any, str]]:
         """(task, effort) pairs: the key drawn with the mixture weights, the task the next of its domain
         (seeded; draw n is a pure function of (seed, n), so a resumed run continues the stream)."""
         keys = [s.key for s in self.cfg.teachers]
@@ -177,10 +129,27 @@ class DistillTrainer:
         out = {}
         for key, teacher in self.router.teachers.items():
             if isinstance(teacher, ModelTeacher):
-                eng = self._engine(teacher.model)
+                eng = self.new_engine(teacher.model)
                 out |= evaluate_policy(eng, self.tok, {key: self.eval_tasks[key]}, self.cfg.eval_group,
                                        self.cfg.rollout, self.cfg.effort, 10_000 + self.cfg.seed)
         return out
+
+    def evaluate_before(self) -> None:
+        cfg = self.cfg
+        if self.step > 0 or self.before:
+            return
+        if cfg.eval_teachers and cfg.eval_tasks:
+            self.progress.message("held-out evaluation of the teachers")
+            self.teacher_eval = self.evaluate_teachers()
+            self.log.write({"event": "eval", "when": "teachers", "step": 0, "stats": self.teacher_eval})
+        self.progress.message("held-out evaluation of the student before distillation")
+        self.before = self.evaluate_student() if cfg.eval_tasks else {}
+        self.log.write({"event": "eval", "when": "before", "step": 0, "stats": self.before})
+
+    def evaluate_after(self) -> dict[str, dict[str, float]]:
+        after = self.evaluate_student() if self.cfg.eval_tasks else {}
+        self.log.write({"event": "eval", "when": "after", "step": self.step, "stats": after})
+        return after
 
     # ---- training --------------------------------------------------------------------------------------
     def train_step(self, groups: list) -> dict[str, Any]:
@@ -212,13 +181,7 @@ class DistillTrainer:
             p["kl_sum"] += m["reverse_kl"] * m["tokens"]
             p["tok"] += m["tokens"]
             rec["mask_frac"] += m["mask_frac"] * share
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.model.eval()
-        self.engine.on_weights_updated()  # the engine serves this module: only its prefix cache is stale
-        self.rollouts.weights_updated()
-        rec["grad_norm"] = float(gnorm)
+        rec["grad_norm"] = self.update()
         tok = sum(p["tok"] for p in per.values())
         rec["reverse_kl"] = sum(p["kl_sum"] for p in per.values()) / max(tok, 1.0)
         for name, p in per.items():
@@ -228,89 +191,23 @@ class DistillTrainer:
                 rec[f"{k}/{d}:{e}"] = v
         return rec
 
-    # ---- the run -----------------------------------------------------------------------------------------
-    def run(self) -> DistillResult:
-        stop = {"flag": False}
-        prev = signal.signal(signal.SIGINT, lambda *_: stop.update(flag=True))
-        try:
-            return self._run(stop)
-        finally:
-            signal.signal(signal.SIGINT, prev)
+    def progress_text(self, rec: dict) -> str:
+        return f"reverse KL {rec['reverse_kl']:.3f}"
 
-    def _run(self, stop: dict) -> DistillResult:
-        cfg = self.cfg
-        if self.step == 0 and not self.before:
-            if cfg.eval_teachers and cfg.eval_tasks:
-                self.progress.message("held-out evaluation of the teachers")
-                self.teacher_eval = self.evaluate_teachers()
-                self.log.write({"event": "eval", "when": "teachers", "step": 0, "stats": self.teacher_eval})
-            self.progress.message("held-out evaluation of the student before distillation")
-            self.before = self.evaluate_student() if cfg.eval_tasks else {}
-            self.log.write({"event": "eval", "when": "before", "step": 0, "stats": self.before})
-        source = self._source()
-        first = self.step
-        self.progress.t0 = time.perf_counter()
-        while self.step < cfg.max_steps and not stop["flag"]:
-            t0 = time.perf_counter()
-            g0 = self.engine.metrics.generated_tokens
-            groups = self.rollouts.collect(source)
-            t1 = time.perf_counter()
-            rec = {"step": self.step, "version": self.rollouts.version} | self.train_step(groups)
-            gen = self.engine.metrics.generated_tokens - g0
-            rec |= {"groups": len(groups), "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1,
-                    "rollout_tok_s": gen / max(t1 - t0, 1e-9)}
-            self.log.write(rec)
-            self.progress.update(self.step - first, rec["loss"], rec["rollout_tok_s"], None,
-                                 f"reverse KL {rec['reverse_kl']:.3f}")
-            self.step += 1
-            if self.step % cfg.save_every == 0 or self.step == cfg.max_steps:
-                self.save()
-        self.rollouts.abort_all()
-        if stop["flag"]:
-            self.save()
-            return DistillResult(cfg.out, self.step, self.teacher_eval, self.before, {}, interrupted=True)
-        after = self.evaluate_student() if cfg.eval_tasks else {}
-        self.log.write({"event": "eval", "when": "after", "step": self.step, "stats": after})
-        self.export(os.path.join(cfg.out, "final"))
-        png = os.path.join(cfg.out, "distill.png")
-        if cfg.plots and plot_distill(os.path.join(cfg.out, "metrics.jsonl"), png, [s.name for s in cfg.teachers]):
-            self.progress.message(f"plots: {png}")
-        return DistillResult(cfg.out, self.step, self.teacher_eval, self.before, after)
+    def plot(self) -> str | None:
+        png = os.path.join(self.cfg.out, "distill.png")
+        ok = plot_distill(os.path.join(self.cfg.out, "metrics.jsonl"), png, [s.name for s in self.cfg.teachers])
+        return png if ok else None
+
+    def result(self, after: Any, interrupted: bool) -> DistillResult:
+        return DistillResult(self.cfg.out, self.step, self.teacher_eval, self.before, after, interrupted=interrupted)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Resumable state (k3.train.state); paused attempts are not saved (a resumed run samples anew)."""
-        save_state(self.ckpt_dir, {
-            "step": self.step, "draws": self.draws, "version": self.rollouts.version,
-            "before": self.before, "teacher_eval": self.teacher_eval, "config": _jsonable(asdict(self.cfg)),
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "rng": rng_state(),
-        })
+    def state_extra(self) -> dict[str, Any]:
+        return {"draws": self.draws, "teacher_eval": self.teacher_eval, "config": jsonable(asdict(self.cfg))}
 
-    def _resume(self) -> None:
-        st = load_state(self.ckpt_dir)
-        self.model.load_state_dict(st["model"])
-        self.opt.load_state_dict(st["optimizer"])
-        self.step, self.draws, self.before = st["step"], st["draws"], st["before"]
-        self.teacher_eval = st["teacher_eval"]
-        self.rollouts.version = st["version"]
-        set_rng_state(st["rng"])
-        self.engine.on_weights_updated()
-        truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step - 1)
-
-    def export(self, path: str) -> None:
-        """The distilled student in the official checkpoint format, plus the tokenizer files."""
-        dtype = "float32" if self.model.config.dtype == "float32" else None
-        self.model.save_pretrained(path, dtype=dtype)
-        self.tok.save(path)
-        self.progress.message(f"saved {path}")
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
+    def load_state_extra(self, st: dict) -> None:
+        self.draws, self.teacher_eval = st["draws"], st["teacher_eval"]
 
 
 def train_distill(cfg: DistillConfig, resume: bool = False, runner: Any = None) -> DistillResult:

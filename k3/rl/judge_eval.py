@@ -20,7 +20,6 @@ of k3.reward.genrm without a model; they prove the metrics (tests) and give refe
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from itertools import combinations
@@ -28,6 +27,7 @@ from typing import Callable
 
 from k3.reward.genrm import GenRM
 from k3.reward.verifiers import math_score
+from k3.rl.judged import state_view
 
 
 @dataclass
@@ -77,7 +77,7 @@ def world_items(world: str, seeds: list[int]) -> list[EvalItem]:
             task = next((m.get("content", "") for m in ep.messages if m.get("role") == "user"), task)
             cands.append(transcript_text(ep.messages))
             truth.append(float(ep.reward.score))
-            states.append(_state_view(env))
+            states.append(state_view(env))
         if len(cands) >= 2:
             items.append(EvalItem(task, cands, truth, states))
     return items
@@ -95,15 +95,6 @@ def transcript_text(messages: list[dict]) -> str:
         if m.get("content"):
             lines.append(str(m["content"]))
     return "\n".join(lines) or "(no answer)"
-
-
-def _state_view(env) -> Callable[[], str]:
-    """Read-only view: the entities the episode changed, as JSON (a copy; the world is not touched)."""
-    def view() -> str:
-        snap = env.snapshot() if hasattr(env, "snapshot") else {}
-        changed = sorted(env.changed()) if hasattr(env, "changed") else []
-        return json.dumps({k: snap.get(k, "(deleted)") for k in changed[:20]}, indent=0)
-    return view
 
 
 def evaluate_judge(rm: GenRM, items: list[EvalItem]) -> dict[str, float]:

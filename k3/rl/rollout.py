@@ -18,13 +18,18 @@ Tool turns: a turn ends at `<|end_of_msg|>`; its tool calls (k3.chat.parse) run 
 environment (resumed for the calls, paused while the model generates) and the rendered tool
 messages plus the next generation prompt are appended; the next turn is a new engine request on
 the whole context (the prefix cache's message-end checkpoints make that a short prefill).
+
+Judged tasks: a task without a verifier (`Task.score is None`) is scored once its whole group has
+finished, by the manager's `group_scorer` (k3.rl.judged: the GenRM over the G final answers, with
+views of their worlds); a scorer that raises or returns anything but G finite numbers gives every
+attempt `judge_fallback` (counted in `judge_failures`). Scores are clamped to [0, 1].
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from k3.chat import parse, render
 from k3.rl.effort import BudgetTracker, EffortConfig, effort_reward, max_tokens_for
@@ -49,6 +54,7 @@ class RolloutConfig:
     max_turns: int = 4
     seed: int = 0
     thinking: bool = True
+    judge_fallback: float = 0.0
 
     def validate(self) -> "RolloutConfig":
         if self.group_size < 1 or self.batch_groups < 1 or self.max_turns < 1:
@@ -57,6 +63,8 @@ class RolloutConfig:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.temperature <= 0:
             raise ValueError("RL sampling needs temperature > 0 (greedy has no behaviour distribution)")
+        if not 0 <= self.judge_fallback <= 1:
+            raise ValueError(f"judge_fallback must be in [0, 1], got {self.judge_fallback}")
         return self
 
 
@@ -112,8 +120,11 @@ class Group:
 
 class RolloutManager:
     def __init__(self, engine: Any, tokenizer: Any, cfg: RolloutConfig | None = None,
-                 effort_cfg: EffortConfig | None = None, budgets: BudgetTracker | None = None) -> None:
+                 effort_cfg: EffortConfig | None = None, budgets: BudgetTracker | None = None,
+                 group_scorer: Callable[[Task, list[dict], list[Any]], list[float]] | None = None) -> None:
+        """group_scorer: scores the groups of judged tasks (Task.score None); module docstring."""
         self.engine, self.tok = engine, tokenizer
+        self.group_scorer = group_scorer
         self.cfg = (cfg or RolloutConfig()).validate()
         self.effort_cfg = (effort_cfg or EffortConfig()).validate()
         self.budgets = budgets or BudgetTracker()
@@ -123,7 +134,8 @@ class RolloutManager:
         self.by_request: dict[str, Attempt] = {}
         self.paused: list[Attempt] = []
         self.next_gid = 0
-        self.counters = {"paused": 0, "resumed": 0, "tool_calls": 0, "render_fallbacks": 0, "engine_errors": 0}
+        self.counters = {"paused": 0, "resumed": 0, "tool_calls": 0, "render_fallbacks": 0, "engine_errors": 0,
+                         "judge_failures": 0}
 
     # ---- public ------------------------------------------------------------------------------------
     def weights_updated(self) -> None:
@@ -151,6 +163,9 @@ class RolloutManager:
             raise RuntimeError(f"rollouts did not complete within {max_steps} engine steps")
         done = [g for g in self.active if g.done][: self.cfg.batch_groups]
         self.active = [g for g in self.active if not any(g is d for d in done)]
+        for g in done:
+            if g.task.score is None:
+                self._judge(g)
         if self.cfg.partial:
             self._pause_unfinished()
         return done
@@ -167,6 +182,8 @@ class RolloutManager:
 
     # ---- groups and turns ----------------------------------------------------------------------------
     def _start_group(self, task: Task, effort: str) -> None:
+        if task.score is None and self.group_scorer is None:
+            raise ValueError(f"task {task.task_id} has no verifier: RL on it needs a judge (group_scorer)")
         gid = self.next_gid
         self.next_gid += 1
         ref_len = task.budget_tokens if task.budget_tokens is not None else len(self.tok.encode(task.reference))
@@ -262,14 +279,37 @@ class RolloutManager:
         gen_ids = [t for t, g in zip(a.ids, a.gen) if g]
         a.think_tokens = gen_ids.index(self.close_id) if self.close_id in gen_ids else len(gen_ids)
         a.answer_tokens = len(gen_ids) - a.think_tokens
+        if a.task.score is None:  # judged with its group (`_judge`); the world stays open for the judge
+            return
         try:
             a.score = float(a.task.score(a.last_message, a.env))
         except Exception:
             a.score = 0.0
-        a.reward = effort_reward(a.score, len(gen_ids), a.budget, a.effort, self.effort_cfg)
-        self.budgets.observe(a.task.task_id, a.effort, a.score >= 1.0, len(gen_ids), capped=len(gen_ids) >= a.cap)
+        self._settle(a)
+
+    def _settle(self, a: Attempt) -> None:
+        """Reward from the score (effort budget), budget statistics, close the world."""
+        n = a.generated
+        a.reward = effort_reward(a.score, n, a.budget, a.effort, self.effort_cfg)
+        self.budgets.observe(a.task.task_id, a.effort, a.score >= 1.0, n, capped=n >= a.cap)
         if a.env is not None:
             a.env.close()
+
+    def _judge(self, g: Group) -> None:
+        """Score a finished judged group with the group scorer; failures give the fallback score."""
+        n = len(g.attempts)
+        try:
+            scores = [float(s) for s in self.group_scorer(g.task, [a.last_message for a in g.attempts],
+                                                          [a.env for a in g.attempts])]
+            if len(scores) != n or not all(math.isfinite(s) for s in scores):
+                raise ValueError(f"the judge returned {len(scores)} scores for {n} attempts or a non-finite one")
+            scores = [min(1.0, max(0.0, s)) for s in scores]
+        except Exception:  # judge garbage or a dead judge: the documented failure reward, never a crash
+            self.counters["judge_failures"] += 1
+            scores = [self.cfg.judge_fallback] * n
+        for a, s in zip(g.attempts, scores):
+            a.score = s
+            self._settle(a)
 
     # ---- partial rollouts ------------------------------------------------------------------------------
     def _pause_unfinished(self) -> None:

@@ -1,5 +1,6 @@
-"""Embedded RL task sources (no download): generated math, generated Python with unit tests, and
-tool worlds (the embedded lookup world, plus k3.envs.agents worlds when that module is present).
+"""Embedded RL task sources (no download): generated math, generated Python with unit tests, tool
+worlds (the embedded lookup world, plus k3.envs.agents worlds when that module is present), and
+open-ended questions without a verifier ("open": scored by the judge, k3.rl.judged).
 
     build_tasks(("math", "worlds"), "train", 64) -> list[Task]
 """
@@ -13,9 +14,11 @@ from k3.reward.verifiers import CodeRunner
 from k3.rl.tasks.base import Task, split_seed
 from k3.rl.tasks.code import code_tasks
 from k3.rl.tasks.math import math_tasks
+from k3.rl.tasks.open import open_tasks
 from k3.rl.tasks.tools import lookup_task
 
-TASK_KINDS = ("math", "worlds", "code")
+TASK_KINDS = ("math", "worlds", "code", "open")
+JUDGED_KINDS = ("open",)  # kinds without a verifier: they need a judge
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -55,6 +58,8 @@ def build_tasks(kinds: tuple[str, ...], split: str, n: int, *, runner: CodeRunne
     for kind in kinds:
         if kind == "math":
             per_kind.append(math_tasks(split, n, math_levels, math_partial))
+        elif kind == "open":
+            per_kind.append(open_tasks(split, n))
         elif kind == "code":
             if runner is None:
                 raise ValueError("code tasks need a sandbox (k3.envs.sandbox) to run the unit tests")
@@ -70,4 +75,4 @@ def build_tasks(kinds: tuple[str, ...], split: str, n: int, *, runner: CodeRunne
     return [t for group in zip(*per_kind) for t in group]
 
 
-__all__ = ["TASK_KINDS", "Task", "build_tasks", "parse_kinds", "split_seed", "world_task"]
+__all__ = ["JUDGED_KINDS", "TASK_KINDS", "Task", "build_tasks", "parse_kinds", "split_seed", "world_task"]

@@ -18,7 +18,8 @@ class Task:
     """task_id: unique and stable (budget tracking, logs). kind: "math" | "code" | "world".
     messages / tools: the opening conversation (OpenAI format) and tool list (None = no tools).
     reference: a reference assistant output text (its token length estimates the budget).
-    score: (assistant message dict, env or None) -> score in [0, 1]; must not raise.
+    score: (assistant message dict, env or None) -> score in [0, 1]; must not raise. None: no
+    verifier; the rollout manager's group scorer (the judge, k3.rl.judged) scores the group.
     make_env: world tasks only: () -> a reset k3.envs Environment (its tools answer the calls).
     budget_tokens: the task's own answer-length budget; None = the reference's token length."""
 
@@ -26,7 +27,7 @@ class Task:
     kind: str
     messages: list[dict]
     reference: str
-    score: Callable[[dict, Any], float]
+    score: Callable[[dict, Any], float] | None
     tools: list[dict] | None = None
     make_env: Callable[[], Any] | None = None
     budget_tokens: int | None = None
