@@ -11,7 +11,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", required=True,
                    help="checkpoint directory (official layout + tokenizer), e.g. k3 sft's final/")
     p.add_argument("--tasks", default="math",
-                   help="comma-separated subset of math,worlds,code (default math: sized for a small model on CPU)")
+                   help="comma-separated subset of math,worlds,code,open (default math: sized for a small model "
+                        "on CPU; open = questions without a verifier, scored by --judge)")
     p.add_argument("--efforts", default="low,high,max", help="comma-separated subset of low,high,max")
     p.add_argument("--out", default="runs/rl", help="output directory")
     p.add_argument("--max-steps", type=int, default=None)
@@ -28,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on CPU)")
     p.add_argument("--math-partial", type=float, default=None,
                    help="shaped credit for a wrong integer answer (0 = exact match only; default 0.5)")
+    p.add_argument("--judge", default=None,
+                   help="reward source of tasks without a verifier: a k3 checkpoint DIR (in-process GenRM) or "
+                        "http(s)://HOST:PORT/v1#MODEL (OpenAI-compatible endpoint)")
+    p.add_argument("--judge-mode", choices=("listwise", "pairwise"), default=None, help="GenRM comparison mode")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=run)
 
@@ -38,7 +43,7 @@ def build_config(args: argparse.Namespace):
     from k3.rl.tasks import parse_kinds
 
     cfg = RLConfig(base=args.base, out=args.out, tasks=parse_kinds(args.tasks), efforts=parse_efforts(args.efforts))
-    for key in ("max_steps", "seed", "device", "lr", "eval_tasks", "threads", "math_partial"):
+    for key in ("max_steps", "seed", "device", "lr", "eval_tasks", "threads", "math_partial", "judge"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     if args.group_size is not None:
@@ -51,6 +56,8 @@ def build_config(args: argparse.Namespace):
         cfg.rollout.partial = False
     if args.kl_coef is not None:
         cfg.pg.kl_coef = args.kl_coef
+    if args.judge_mode is not None:
+        cfg.genrm.mode = args.judge_mode
     cfg.rollout.seed = cfg.seed
     return cfg.validate()
 
