@@ -76,6 +76,7 @@ def sandbox_runner():
 
 
 def run(args: argparse.Namespace) -> int:
+    from k3.rl.dist import DistRL, wants_distributed
     from k3.rl.loop import train_rl
 
     try:
@@ -84,7 +85,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"k3 rl: error: {e}", file=sys.stderr)
         return 2
-    res = train_rl(cfg, resume=args.resume, runner=runner)
+    dist = DistRL(cfg.device) if wants_distributed() else None  # torchrun: trainer sharded, rollouts on rank 0
+    try:
+        res = train_rl(cfg, resume=args.resume, runner=runner, dist=dist)
+    finally:
+        if dist is not None:
+            dist.close()
+    if dist is not None and dist.rank != 0:
+        return 0
     if res.interrupted:
         print(f"interrupted at step {res.steps}; resume with: k3 rl --base {cfg.base} --out {res.out_dir} --resume",
               file=sys.stderr)

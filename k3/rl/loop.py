@@ -155,6 +155,8 @@ class RLTrainer(OnPolicyTrainer):
         """One update on completed groups: returns loss metrics (clip/mask fractions, staleness)."""
         items = attempt_advantages(groups, self.cfg.pg.adv_eps)
         micro = pack(items, self.rollouts.version, self.cfg.micro_batch_tokens)
+        if self.dist is not None:  # rank 0 sampled and packed; every rank gets the same micro-batches
+            micro = self.dist.broadcast(micro)
         total = sum(mb.num_response for mb in micro)
         agg: dict[str, float] = {"loss": 0.0, "train_tokens": 0.0, "clip_frac": 0.0, "mask_frac": 0.0,
                                  "stale_masked_frac": 0.0, "mean_ratio": 0.0, "staleness_mean": 0.0,
@@ -162,18 +164,22 @@ class RLTrainer(OnPolicyTrainer):
         if total == 0:  # every group's rewards were equal: no advantage, no update (the weights stay)
             return agg | {"skipped": 1.0}
         self.model.train()
-        mine = micro if self.dist is None else self.dist.my_share(micro)
-        for mb in mine:
-            share = mb.num_response / total  # micro-batch losses weighted to the step's mean over tokens
+        work = [(mb, True) for mb in micro] if self.dist is None else self.dist.my_share(micro)
+        for mb, real in work:
+            # micro-batch losses weighted to the step's mean over tokens; padding passes (torchrun) weigh 0
+            share = mb.num_response / total if real else 0.0
             loss, m = self._micro_loss(mb)
             (loss * share).backward()
             agg["loss"] += float(loss.detach()) * share
-            agg["train_tokens"] += int(mb.ids.numel())
-            for k, v in m.items():
-                if k == "staleness_max":
+            agg["train_tokens"] += int(mb.ids.numel()) if real else 0
+            for k, v in m.items():  # a padding pass adds zeros (every rank reduces the same keys)
+                if not real:
+                    agg.setdefault(k, 0.0)
+                elif k == "staleness_max":
                     agg[k] = max(agg.get(k, 0.0), v)
-                elif k != "tokens":
+                else:
                     agg[k] = agg.get(k, 0.0) + v * share
+        agg.pop("tokens", None)
         if self.dist is not None:
             agg = self.dist.reduce_metrics(agg, maxed=("staleness_max",))
         agg["grad_norm"] = self.update()

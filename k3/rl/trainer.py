@@ -113,8 +113,8 @@ class OnPolicyTrainer:
                 serving = K3ForCausalLM.from_pretrained(checkpoint, dtype=serve_dtype).to(self.device)
             self.engine = self.new_engine(serving)
         geom = self.model.config.text_config
-        self.opt = PerHeadMuon(build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                  adamw_lr=cfg.adamw_lr))
+        groups = build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr)
+        self.opt = PerHeadMuon(groups) if dist is None else dist.optimizer(groups)
         self.step = 0
         self.before: Any = {}
         self.rollouts: Any = None
@@ -151,7 +151,10 @@ class OnPolicyTrainer:
 
     def update(self) -> float:
         """Clip, optimizer step, weights into the engine, version + 1. Returns the gradient norm."""
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.dist is not None:
+            gnorm = self.dist.clip_grad_norm(self.cfg.grad_clip)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.model.eval()
@@ -160,7 +163,7 @@ class OnPolicyTrainer:
         else:
             sync_weights(self.model, self.engine)  # a copy when serving separately; always drops stale prefixes
         self.rollouts.weights_updated()
-        return float(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)
+        return float(gnorm)
 
     def rl_step(self, source: Iterator) -> dict[str, Any]:
         """Collect completed groups from `source`, train on them once; returns the step's metrics."""
@@ -172,7 +175,8 @@ class OnPolicyTrainer:
         rec: dict[str, Any] = {"step": self.step, "version": self.rollouts.version}
         rec |= self.train_step(groups)
         t2 = time.perf_counter()
-        rec |= self.batch_record(groups)
+        if self.is_main:  # the other ranks of a torchrun job hold no groups (and log nothing)
+            rec |= self.batch_record(groups)
         gen = (self.engine.metrics.generated_tokens if self.engine is not None else 0) - g0
         rec |= {"groups": len(groups), "rollout_s": t1 - t0, "train_s": t2 - t1, "rollout_tokens": gen,
                 "rollout_tok_s": gen / max(t1 - t0, 1e-9), "train_tok_s": rec["train_tokens"] / max(t2 - t1, 1e-9)}
