@@ -144,6 +144,16 @@ for s in $sections; do
       python bench/dist.py --preset ${DIST_PRESET:-k3-small} --steps ${DIST_STEPS:-6} --compile ${DIST_ARGS:-} \
         2>&1 | quiet > "$OUT/dist.txt"
       grep -E "^\||^#" "$OUT/dist.txt" ;;
+    rl)  # k3 rl on one GPU (bench/rl.py, k3-small, bf16 serving copy): rollout / trainer tokens/s, decode idle
+      # fraction and wall time per step, synchronous vs partial rollouts on long-tailed attempt lengths (RL_ARGS: more flags)
+      python bench/rl.py --preset ${RL_PRESET:-k3-small} --device cuda --out "$OUT/rl.jsonl" ${RL_ARGS:-} 2>&1 | quiet \
+        > "$OUT/rl.txt"
+      grep -E "^\{|Error|error" "$OUT/rl.txt" | tail -8 ;;
+    distill)  # teacher log-prob scoring for on-policy distillation (bench/distill.py, k3-small, bf16): tokens/s and
+      # peak memory per packed batch shape, next to full-logits size and the student's OPD forward + backward
+      python bench/distill.py --preset ${DISTILL_PRESET:-k3-small} --device cuda --out "$OUT/distill.jsonl" \
+        ${DISTILL_ARGS:-} 2>&1 | quiet > "$OUT/distill.txt"
+      grep -E "^\||Error|error" "$OUT/distill.txt" | tail -8 ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"

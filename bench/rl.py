@@ -10,8 +10,9 @@ advantages and trains. Each mode runs `--warmup` + `--steps` RL steps of `k3.rl.
 idle fraction = 1 − generated tokens / (engine steps × attempts in flight at full batch): the
 share of the decode batch's rows left empty while the long tail finishes.
 
-    python bench/rl.py                                   # CPU smoke: k3-tiny, short lengths
-    python bench/rl.py --preset k3-small --device cuda   # one GPU
+    python bench/rl.py --smoke                           # CPU smoke: k3-tiny, 1 step per mode, caps 8..32
+    python bench/rl.py                                   # CPU: k3-tiny, short lengths, 1 + 3 steps per mode
+    python bench/rl.py --preset k3-small --device cuda   # one GPU (bash bench/gpu_all.sh rl)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from k3.rl.tasks.base import Task  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU end-to-end check: 1 step per mode, caps 8..32, G 2")
     p.add_argument("--preset", default="k3-tiny")
     p.add_argument("--device", default="cpu")
     p.add_argument("--group-size", type=int, default=None, help="default 4 (CPU) / 8 (GPU)")
@@ -56,7 +58,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="engine copy dtype (default bfloat16 on GPU: a bf16 serving copy synced after each "
                         "update; the CPU default serves the fp32 trainer module itself)")
     p.add_argument("--out", default=None, help="JSON lines file for the results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup = 1, 0
+        args.group_size, args.min_len, args.max_len = args.group_size or 2, args.min_len or 8, args.max_len or 32
+    return args
 
 
 def make_base(preset: str, directory: str) -> None:

@@ -51,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from k3.cli.rl import sandbox_runner
     from k3.distill.loop import DistillTrainer
 
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print("k3 distill: error: runs in one process (torchrun is supported by k3 rl's trainer only)", file=sys.stderr)
+        return 2
     try:
         cfg = build_config(args)
         runner = sandbox_runner() if any(t.domain == "code" for t in cfg.teachers) else None
@@ -68,14 +73,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(teachers: dict, before: dict, after: dict) -> str:
-    """Held-out reward and thinking tokens per (domain, effort): teacher, student before, student after."""
+    """Held-out reward and thinking tokens per (domain, effort): teacher, student before, student after
+    (± standard errors clustered by task; the ratio's by the delta method)."""
+    nan = float("nan")
     rows = ["| teacher | teacher reward | student before | student after | after/teacher | "
             "think teacher | think before | think after |", "|---|---|---|---|---|---|---|---|"]
     for name in sorted(set(teachers) | set(after)):
         t, b, a = teachers.get(name, {}), before.get(name, {}), after.get(name, {})
-        tr, ar = t.get("reward", float("nan")), a.get("reward", float("nan"))
-        ratio = ar / tr if tr == tr and tr > 0 else float("nan")
-        rows.append(f"| {name} | {tr:.3f} | {b.get('reward', float('nan')):.3f} | {ar:.3f} | {ratio:.0%} | "
-                    f"{t.get('think', float('nan')):.1f} | {b.get('think', float('nan')):.1f} | "
-                    f"{a.get('think', float('nan')):.1f} |")
+        tr, ar = t.get("reward", nan), a.get("reward", nan)
+        ratio = ar / tr if tr == tr and tr > 0 else nan
+        rse = ratio * ((a.get("reward_se", nan) / ar) ** 2 + (t.get("reward_se", nan) / tr) ** 2) ** 0.5 \
+            if ratio == ratio and ar > 0 else nan
+        pm = lambda d, k, f: f"{d.get(k, nan):{f}} ± {d.get(k + '_se', nan):{f}}"  # noqa: E731
+        rows.append(f"| {name} | {pm(t, 'reward', '.3f')} | {pm(b, 'reward', '.3f')} | {pm(a, 'reward', '.3f')} | "
+                    f"{ratio:.0%} ± {rse:.0%} | {pm(t, 'think', '.1f')} | {pm(b, 'think', '.1f')} | "
+                    f"{pm(a, 'think', '.1f')} |")
     return "\n".join(rows)

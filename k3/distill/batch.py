@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from k3.rl.batch import cluster_se
 from k3.rl.effort import BudgetTracker, EffortConfig
 from k3.rl.rollout import NO_VERSION, Attempt, RolloutConfig, RolloutManager
 
@@ -61,13 +62,18 @@ def _batch(items: list[Attempt], version_now: int) -> OPDBatch:
 
 
 def attempt_stats(attempts: list[Attempt]) -> dict[str, float]:
-    """Mean reward, pass rate (score >= 1), thinking / answer / generated tokens."""
+    """Mean reward, pass rate (score >= 1), thinking / answer / generated tokens; reward_se / think_se:
+    standard errors clustered by task (k3.rl.batch.cluster_se; left out below two tasks)."""
     if not attempts:
         return {}
     n = len(attempts)
+    ids = [a.task.task_id for a in attempts]
+    se = {"reward_se": cluster_se([a.reward for a in attempts], ids),
+          "think_se": cluster_se([a.think_tokens for a in attempts], ids)}
     return {"reward": sum(a.reward for a in attempts) / n, "pass_rate": sum(a.score >= 1.0 for a in attempts) / n,
             "think": sum(a.think_tokens for a in attempts) / n, "answer": sum(a.answer_tokens for a in attempts) / n,
-            "gen_tokens": sum(a.generated for a in attempts) / n, "attempts": float(n)}
+            "gen_tokens": sum(a.generated for a in attempts) / n, "attempts": float(n)} | \
+        {k: v for k, v in se.items() if v == v}  # no standard error from fewer than two tasks
 
 
 def evaluate_policy(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], list], group: int,

@@ -75,9 +75,25 @@ def _micro(items: list[tuple[Attempt, float]], version_now: int) -> MicroBatch:
                       token_advantages=torch.tensor([adv], dtype=torch.float32))
 
 
+def cluster_se(values: list[float], clusters: list[str]) -> float:
+    """Standard error of the mean of `values` with attempts clustered by task (attempts at one task are
+    not independent): the standard deviation of the per-cluster means over sqrt(#clusters). nan when
+    fewer than two clusters."""
+    by: dict[str, list[float]] = {}
+    for v, c in zip(values, clusters):
+        by.setdefault(c, []).append(float(v))
+    means = [sum(v) / len(v) for v in by.values()]
+    k = len(means)
+    if k < 2:
+        return float("nan")
+    mu = sum(means) / k
+    return (sum((m - mu) ** 2 for m in means) / (k - 1)) ** 0.5 / k ** 0.5
+
+
 def rollout_stats(groups: list[Group], efforts: tuple[str, ...]) -> dict[str, float]:
     """reward, pass rate (score >= 1), mean generated / think / answer tokens (overall and per effort),
-    attempts that spanned several weight versions, mean pauses per attempt."""
+    attempts that spanned several weight versions, mean pauses per attempt; `*_se`: standard errors
+    of the reward and thinking means (clustered by task, `cluster_se`; left out below two tasks)."""
     atts = [a for g in groups for a in g.attempts]
     if not atts:
         return {}
@@ -87,9 +103,13 @@ def rollout_stats(groups: list[Group], efforts: tuple[str, ...]) -> dict[str, fl
            "attempts": len(atts), "multi_version": mean([float(len({v for v, g in zip(a.version, a.gen) if g}) > 1)
                                                          for a in atts]),
            "pauses_per_attempt": mean([a.pauses for a in atts])}
+    se = {"reward_se": cluster_se([a.reward for a in atts], [a.task.task_id for a in atts])}
     for e in efforts:
         sel = [a for a in atts if a.effort == e]
         if sel:
+            ids = [a.task.task_id for a in sel]
+            se[f"reward_se_{e}"] = cluster_se([a.reward for a in sel], ids)
+            se[f"think_se_{e}"] = cluster_se([a.think_tokens for a in sel], ids)
             rec[f"think_{e}"] = mean([a.think_tokens for a in sel])
             rec[f"answer_{e}"] = mean([a.answer_tokens for a in sel])
             rec[f"reward_{e}"] = mean([a.reward for a in sel])
@@ -97,7 +117,7 @@ def rollout_stats(groups: list[Group], efforts: tuple[str, ...]) -> dict[str, fl
     for kind in sorted({g.task.kind for g in groups}):
         sel = [a for a in atts if a.task.kind == kind]
         rec[f"pass_{kind}"] = mean([float(a.score >= 1.0) for a in sel])
-    return rec
+    return rec | {k: v for k, v in se.items() if v == v}  # no standard error from fewer than two tasks
 
 
-__all__ = ["MicroBatch", "attempt_advantages", "pack", "rollout_stats"]
+__all__ = ["MicroBatch", "attempt_advantages", "cluster_se", "pack", "rollout_stats"]

@@ -95,3 +95,10 @@ def test_config_validation():
         PGConfig(clip_c=1.0).validate()
     with pytest.raises(ValueError):
         PGConfig(clip_c=3.0, mask_c=2.0).validate()
+
+
+def test_cluster_standard_error():
+    from k3.rl.batch import cluster_se
+    # two tasks with means 1 and 3: sd of the means sqrt(2), over sqrt(2) clusters = 1
+    assert cluster_se([0.0, 2.0, 3.0, 3.0], ["a", "a", "b", "b"]) == pytest.approx(1.0)
+    assert cluster_se([1.0, 2.0], ["a", "a"]) != cluster_se([1.0, 2.0], ["a", "a"])  # nan below two clusters
