@@ -41,6 +41,7 @@ class RLConfig(OnPolicyConfig):
 
     base: str = ""
     out: str = "runs/rl"
+    eval_tasks: int = 32
     tasks: tuple[str, ...] = ("math",)
     efforts: tuple[str, ...] = EFFORTS
     serve_dtype: str | None = None
@@ -201,7 +202,7 @@ class RLTrainer(OnPolicyTrainer):
         return rollout_stats(groups, self.cfg.efforts)
 
     def progress_text(self, rec: dict) -> str:
-        return (f"reward {rec.get('reward', float('nan')):.3f} pass {rec.get('pass_rate', float('nan')):.0%} "
+        return (f"reward {rec.get('reward', float('nan')):.3f} ± {rec.get('reward_se', float('nan')):.3f} pass {rec.get('pass_rate', float('nan')):.0%} "
                 f"think " + "/".join(f"{rec.get(f'think_{e}', float('nan')):.0f}" for e in self.cfg.efforts))
 
     def plot(self) -> str | None:
@@ -230,8 +231,10 @@ def _skip(it: Iterator, n: int) -> Iterator:
 def _summary(rec: dict[str, float], efforts: tuple[str, ...]) -> str:
     kinds = " ".join(f"{k[5:]} {v:.0%}" for k, v in rec.items() if k.startswith("pass_") and
                      k[5:] not in efforts and k != "pass_rate")
-    think = " ".join(f"{e} {rec.get(f'think_{e}', float('nan')):.1f}" for e in efforts)
-    return (f"reward {rec.get('reward', float('nan')):.3f} pass {rec.get('pass_rate', float('nan')):.1%} "
+    think = " ".join(f"{e} {rec.get(f'think_{e}', float('nan')):.1f} ± {rec.get(f'think_se_{e}', float('nan')):.1f}"
+                     for e in efforts)
+    nan = float("nan")
+    return (f"reward {rec.get('reward', nan):.3f} ± {rec.get('reward_se', nan):.3f} pass {rec.get('pass_rate', nan):.1%} "
             f"({kinds}); mean thinking tokens {think}")
 
 
