@@ -83,3 +83,11 @@ def test_cli_config_and_errors(dirs, tmp_path):
         assert bad.func(bad) == 2
     with pytest.raises(FileNotFoundError):
         DistillTrainer(_cfg(dirs, tmp_path / "none", 1), resume=True)
+
+
+def test_cli_refuses_torchrun(dirs, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = build_parser().parse_args(["distill", "--student", dirs["student"], "--teacher",
+                                      f"math:low={dirs['teacher']}", "--out", str(tmp_path)])
+    assert args.func(args) == 2 and "one process" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
