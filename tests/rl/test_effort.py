@@ -54,3 +54,26 @@ def test_budget_tracker_uses_max_effort_correct_samples():
 def test_effort_is_rendered_as_thinking_effort_message():
     text = render_text([{"role": "user", "content": "hi"}], thinking_effort="low", add_generation_prompt=True)
     assert "thinking_effort=low" in text
+
+
+def test_rollout_prompt_is_the_inference_render_per_effort(tokenizer):
+    """The RL prompt is exactly what the serving endpoint renders for that reasoning effort (the same
+    k3.chat.render call: thinking on, the effort's system message, the generation prompt)."""
+    from k3.chat import render
+    from k3.rl.rollout import RolloutConfig, RolloutManager
+    from k3.rl.tasks.math import math_task
+    from tests.rl.test_tool_loop import ScriptedEngine
+
+    task = math_task("train", 0, 1)
+    prompts = {}
+    for effort in ("low", "high", "max"):
+        eng = ScriptedEngine([[tokenizer.eos_id]])
+        RolloutManager(eng, tokenizer, RolloutConfig(group_size=1, batch_groups=1)).collect(iter([(task, effort)]))
+        served, _ = render(task.messages, tokenizer, None, thinking=True, thinking_effort=effort,
+                           add_generation_prompt=True)
+        assert eng.prompts[0] == served
+        assert f"thinking_effort={effort}" in tokenizer.decode(served)
+        prompts[effort] = served
+    assert len({tuple(p) for p in prompts.values()}) == 3
+    caps = [max_tokens_for(10, e, EffortConfig()) for e in ("low", "high", "max")]
+    assert caps[0] < caps[1] < caps[2]
