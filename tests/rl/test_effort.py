@@ -77,3 +77,15 @@ def test_rollout_prompt_is_the_inference_render_per_effort(tokenizer):
     assert len({tuple(p) for p in prompts.values()}) == 3
     caps = [max_tokens_for(10, e, EffortConfig()) for e in ("low", "high", "max")]
     assert caps[0] < caps[1] < caps[2]
+
+
+def test_effort_eval_reports_lengths_and_cap_shares(tokenizer, tmp_path):
+    from k3.rl.effort_eval import effort_lengths
+    from tests.rl.conftest import tiny_model
+
+    tiny_model(tokenizer, seed=3).save_pretrained(tmp_path, dtype="float32")
+    tokenizer.save(tmp_path)
+    r = effort_lengths(str(tmp_path), tasks=2, group=1, cap_factor=1.0)
+    for e in ("low", "high", "max"):
+        assert 0.0 <= r[f"capped_{e}"] <= 1.0 and r[f"think_{e}"] >= 0
+    assert r["attempts"] == 6
