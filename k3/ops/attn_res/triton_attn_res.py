@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from k3.ops.attn_res import MAX_CANDIDATES as MAXN  # the kernels' pointer slots
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import column_sum, cvt
 
 TILE = (2, 1024, 4)  # rows, columns, warps per program: the fastest of bench/attn_res.py --sweep on an H200
@@ -194,9 +193,8 @@ def _attn_res_bwd(C0, C1, C2, C3, C4, C5, C6, C7, C8, G0, G1, G2, G3, G4, G5, G6
 
 
 def tile() -> tuple[int, ...]:
-    """(rows, columns, warps) per program: TILE, or env K3_ATTNRES_{BM,BD,WARPS} (read per call, so
-    bench/attn_res.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_ATTNRES", ("BM", "BD", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _launch(kernel, M: int, D: int, N: int, *args, **flags) -> None:  # noqa: ANN001, ANN003

@@ -1,18 +1,15 @@
 """Split KDA forward intra-chunk kernels (Triton): small programs, 2-D dots only.
 
-Replacement for `_kda_fwd_intra_v2` (triton_fwd_v2.py), selected with env K3_KDA_FWD_INTRA=split;
-same inputs and the same outputs (W, U, P, QG, KG, GL and, when training, the transposed T in Tm;
-same dtypes, chunk-major padded layouts, varlen, in-kernel gate, L2 norm, sigmoid beta, precision
-knobs).  v2 runs one latency-bound program per (chunk, head) (~250 registers, 2 CTAs per SM, the
-key loop, the inverse and W / U in one dependent chain); here the work is cut into three launches
-whose programs are short and light (76-161 registers), so that more of them share an SM and hide
-each other's latency:
+Outputs W, U, P, QG, KG, GL and, when training, the transposed T in Tm (chunk-major padded layouts,
+varlen, in-kernel gate, L2 norm, sigmoid beta).  The work is cut into three launches whose programs
+are short and light, so that several share an SM and hide each other's latency (one program per
+(chunk, head) doing everything is latency-bound; docs/kda_kernels.md):
 
   1. `_kda_fwd_keys`, grid (chunks * K/BK, H), key chunk fastest: for its BK columns the gate and
      the cumulative decay G -> GS [NC, H, 64, K] fp32 (for bf16 / fp16 inputs as G log2 e, see
-     triton_fwd_v2._ex), gl -> GL.  Reads g only.
+     triton_fwd_blocks._ex), gl -> GL.  Reads g only.
   2. `_kda_fwd_ap`, grid (chunks * 4, H), row block fastest: row block i (rows 16 i .. 16 i + 15)
-     of P and A over all key columns with v2's transposed row-block dots (reference
+     of P and A over all key columns with the transposed row-block dots (reference
      mid_i = G[16 i + 7]):
          X[:, block i] += (k e^(mid_i - G))[64, BK] @ ([q_i | k_i] e^(G_i - mid_i))^T [BK, 32]
      G read back from GS (the bits the keys kernel wrote).  Splitting by row block instead of by
@@ -23,9 +20,8 @@ each other's latency:
      (input dtype), A rows (fp32, ABUF = the Tm tile unless NS > 1), ROWS [NC, H, 4, 64] fp32 =
      (1/||k||, scale/||q||, beta/||k||, beta) for the rows of block i, and qg = scale q e^G / ||q||,
      kg = k e^(gl - G) / ||k|| for the rows of block i (a second pass over the key chunks).
-  3. `_kda_fwd_finish`, grid (chunks * NS, H): v2's exact three-level UT inverse (`_ut_inverse`),
-     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS: v2
-     stores it) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
+  3. `_kda_fwd_finish`, grid (chunks * NS, H): the exact three-level UT inverse (`_ut_inverse`),
+     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
      inverse (A then in its own buffer ABUF, a private 4 KB workspace INVW each) and take every
      NS-th column block of W / U (W blocks first, then U).
 
@@ -54,8 +50,7 @@ from k3.ops.kda.triton_common import (
     _ld,
     _stc,
 )
-from k3.ops.backend import env_int
-from k3.ops.kda.triton_fwd_v2 import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
+from k3.ops.kda.triton_fwd_blocks import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
 
 
 @triton.jit
@@ -205,17 +200,20 @@ def _kda_fwd_finish(
             _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
 
 
+# (BK: key-chunk width, at most 64; warps of the keys / A-P kernels; NS: finish programs per chunk and
+# head), the fastest on an H200 (docs/kda_kernels.md); tests set others.
+TILES = (32, 4, 1)
+
+
 def split_tiles(K: int) -> tuple[int, int, int]:
-    """(BK, warps of the keys / A-P kernels, NS); env K3_KDA_BK_FWDSPLIT (default 32, at most 64),
-    K3_KDA_WARPS_FWDSPLIT (default 4), K3_KDA_NS_FWDSPLIT (default 1) override."""
-    bk = min(K, 64, env_int("K3_KDA_BK_FWDSPLIT", 32, pow2=True))
-    warps = env_int("K3_KDA_WARPS_FWDSPLIT", 4, pow2=True)
-    ns = env_int("K3_KDA_NS_FWDSPLIT", 1)
+    """(BK, warps, NS) for key dim K: TILES, BK capped at min(K, 64), read at call time."""
+    bk, warps, ns = TILES
+    bk = min(K, 64, bk)
     if bk < 4 * warps:
         raise ValueError(f"split forward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
     if ns < 1:
-        raise ValueError(f"K3_KDA_NS_FWDSPLIT must be >= 1, got {ns}")
+        raise ValueError(f"split forward: NS must be >= 1, got {ns}")
     return bk, warps, ns
 
 

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
 TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of bench/moe_combine.py --sweep (H200)
@@ -72,9 +71,8 @@ def _dispatch_fwd(Z, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.c
 
 
 def tile() -> tuple[int, ...]:
-    """(tokens, columns, warps) per program: TILE, or env K3_COMBINE_{BN,BL,WARPS} (read per call, so
-    bench/moe_combine.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_COMBINE", ("BN", "BL", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _grid(N: int, L: int) -> tuple[tuple[int, int], int, int, int]:

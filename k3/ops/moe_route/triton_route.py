@@ -30,7 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.moe_route import MAX_EXPERTS
 
 # (top-k rows x padded experts per program, warps; slots per sort block, warps)
@@ -138,10 +137,8 @@ def _block_scatter(IDS, OFF, COUNTS, ORDER, INV, M, E, B: tl.constexpr, EP: tl.c
 
 
 def tile() -> tuple[int, ...]:
-    """(top-k elements per program = rows x padded experts, top-k warps, slots per sort block, sort
-    warps): TILE, or env K3_ROUTE_{TOPK_TILE,TOPK_WARPS,SORT_B,SORT_WARPS} (read per call, so
-    bench/moe_route.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_ROUTE", ("TOPK_TILE", "TOPK_WARPS", "SORT_B", "SORT_WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def topk_rows(choice: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:

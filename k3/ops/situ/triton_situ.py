@@ -26,7 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
 TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep on an H200
@@ -84,9 +83,8 @@ def _situ_bwd(AB, GO, GAB, M, I, s_ab, inv_beta, beta, inv_beta_lin, beta_lin, B
 
 
 def tile() -> tuple[int, ...]:
-    """(rows, columns, warps) per program: TILE, or env K3_SITU_{BM,BI,WARPS} (read per call, so
-    bench/situ.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_SITU", ("BM", "BI", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _launch(kernel, M: int, I: int, *args) -> None:  # noqa: ANN001
