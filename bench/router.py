@@ -54,7 +54,7 @@ def check(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, "K3_ROUTE", "256 tokens")
+    args, bench, compiled = start(__doc__, argv, "256 tokens")
     if args.tiny:
         args.tokens = 256
     from k3.model.fused import EAGER

@@ -76,5 +76,6 @@ class KernelConfig:
 
 
 DEFAULT = KernelConfig()
+TORCH = KernelConfig(**{f.name: "torch" for f in dataclasses.fields(KernelConfig)})  # e.g. benchmarks' baselines
 
-__all__ = ["CHOICES", "DEFAULT", "KernelConfig"]
+__all__ = ["CHOICES", "DEFAULT", "TORCH", "KernelConfig"]
