@@ -8,7 +8,7 @@ built (`K3Config.kernels`, `K3ForCausalLM(config, kernels=...)`), never read fro
 
     "auto"    the Triton kernels for CUDA tensors under autograd (training), else the torch code
               (CPU; inference, where serving keeps its compiled graphs). Measured faster in the
-              training step on an H200 for every region here (docs/benchmarks.md).
+              GPU training step for every region here (docs/dev_log.md).
     "triton"  the Triton kernels wherever Triton runs (CUDA, or the interpreter under
               TRITON_INTERPRET=1: the CPU tests' way to run them), training or not.
     "torch"   always the torch code.
@@ -18,7 +18,7 @@ built (`K3Config.kernels`, `K3ForCausalLM(config, kernels=...)`), never read fro
 "torch" keeps the torch ops.
 
 Program tiles are not configured here: each kernel module keeps its tuned tile as a constant
-beside the kernel (one winner per shape class, measured on an H200).
+beside the kernel (one measured winner each).
 
 This module imports nothing from k3 (so `k3.config` and `k3.ops` can both use it) and no torch.
 """

@@ -182,9 +182,8 @@ class RoutedExperts(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I], cached) in the compute dtype, for the training
         GEMMs. Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's
-        shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M
-        expert parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an
-        H200), cached=True: the caller may then add the weight gradients into the masters' `.grad` itself
+        shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`: the experts'
+        casts and concatenation once per step, not per micro-batch), cached=True: the caller may then add the weight gradients into the masters' `.grad` itself
         (`k3.ops.grouped_gemm.expert_gemm`); else cast, then concatenated
         (half the bytes of concatenating the fp32 masters first), cached=False."""
         cache = self.step_cache if self.weight_transform is None else None

@@ -22,7 +22,7 @@ import triton.language as tl
 from k3.ops.attn_res import MAX_CANDIDATES as MAXN  # the kernels' pointer slots
 from k3.ops.triton_utils import column_sum, cvt
 
-TILE = (2, 1024, 4)  # rows, columns, warps per program: the fastest of bench/attn_res.py --sweep on an H200
+TILE = (2, 1024, 4)  # rows, columns, warps per program: the fastest of bench/attn_res.py --sweep
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 from k3.ops.cross_entropy.reference import IGNORE_INDEX, add_weight_grad
 from k3.ops.triton_utils import cvt
 
-TILE = (8192, 8)  # vocabulary block, warps per program: fastest of bench/cross_entropy.py --sweep (H200, V 32,768)
+TILE = (8192, 8)  # vocabulary block, warps per program: fastest of bench/cross_entropy.py --sweep (V 32,768)
 
 
 @triton.jit

@@ -6,8 +6,8 @@ fp32, written (or added) straight into fp32 outputs, so the weight gradient land
 `.grad` with no bf16 round trip and no separate accumulation pass. The M rows of C may be split over two
 outputs (w1's and w3's gradients of a packed gate|up GEMM): rows < M1 go to C1, the rest to C2.
 
-(A Triton version of the forward / input-gradient GEMMs was measured too and lost to torch._grouped_mm
-by 5-40% at k3-small's shapes, K = 512-1024: docs/benchmarks.md, fifteenth session.)
+(The forward and input-gradient GEMMs stay torch._grouped_mm, which was faster at k3-small's shapes:
+docs/dev_log.md.)
 """
 
 from __future__ import annotations

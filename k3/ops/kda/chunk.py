@@ -124,7 +124,7 @@ def _fwd_state_tiles(V: int, NH: int) -> tuple[int, int]:
 
 STATE_BV: int | None = None  # value block of the state scans; None: `_state_bv`'s rule (tests set one)
 # Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are issued
-# while the current one computes; 1 hits an illegal address on Triton 3.6 / H200).
+# while the current one computes; 1 hit an illegal address with Triton 3.6 on Hopper).
 STAGES = 2
 BWD_STATE_WARPS = 4
 # Dot precisions for bf16 / fp16 inputs (see `_precisions`): forward A/P, UT inverse, state / value, backward A/P

@@ -201,7 +201,7 @@ def _kda_fwd_finish(
 
 
 # (BK: key-chunk width, at most 64; warps of the keys / A-P kernels; NS: finish programs per chunk and
-# head), the fastest on an H200 (docs/kda_kernels.md); tests set others.
+# head), the fastest measured (docs/kda_kernels.md); tests set others.
 TILES = (32, 4, 1)
 
 

@@ -1,8 +1,7 @@
 """MoE combine as Triton kernels (see k3.ops.moe_combine for the maths and the layout).
 
-Why: Inductor's fused gather-multiply-sum moved ~0.6 GB in 0.71 ms per k3-small MoE layer at 64K
-tokens (~0.8 TB/s) in the ninth session's profile, one index load per output element per choice.
-Here a program owns BN tokens x BL columns: it loads each choice's BN slot indices and weights once,
+Why: Inductor's fused gather-multiply-sum does one index load per output element per choice, far
+below the bandwidth (docs/dev_log.md). Here a program owns BN tokens x BL columns: it loads each choice's BN slot indices and weights once,
 gathers BN row segments of y, and accumulates in fp32 in the order j = 0 .. k-1 (the reference's).
 """
 
@@ -14,7 +13,7 @@ import triton.language as tl
 
 from k3.ops.triton_utils import cvt
 
-TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of bench/moe_combine.py --sweep (H200)
+TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of bench/moe_combine.py --sweep
 
 
 @triton.jit

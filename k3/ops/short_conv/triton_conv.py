@@ -28,7 +28,7 @@ import triton.language as tl
 
 from k3.ops.triton_utils import cvt
 
-# Program tiles, the fastest of bench/short_conv.py --sweep on an H200 (tests set smaller ones). "window"
+# Program tiles, the fastest of bench/short_conv.py --sweep (tests set smaller ones). "window"
 # kernels: (strip rows, a multiple of 4: the kernels step 4 rows at a time; channels; warps); "tiles"
 # kernels: (rows, channels, warps).
 WINDOW = {"FWDW": (64, 512, 4), "BWDW": (128, 512, 4)}

@@ -1,8 +1,7 @@
 """SiTU-GLU as Triton kernels on gate|up packed in one tensor (the GEMM output [M, 2I]).
 
-Elementwise and meant to be memory-bound, but in the seventh session's profile the compiled SiTU
-took ~24 ms of a 64K-token k3-small forward/backward, about twice its bytes at 4.3 TB/s. The
-suspected cause is instruction count: libdevice tanh (twice), a precise sigmoid and two divisions
+Elementwise and meant to be memory-bound, but the compiled SiTU region took about twice its bytes'
+time at full bandwidth (docs/dev_log.md). The suspected cause is instruction count: libdevice tanh (twice), a precise sigmoid and two divisions
 are ~100 instructions per output (bench/situ.py times both). Here tanh and sigmoid are built from
 one hardware exponential and one reciprocal each:
 
@@ -28,7 +27,7 @@ import triton.language as tl
 
 from k3.ops.triton_utils import cvt
 
-TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep on an H200
+TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep
 LOG2E = tl.constexpr(1.4426950408889634)
 # tanh(x) / x = sum_k P_k (x^2)^k on |x| < 0.625 (least-squares fit, relative error 4.2e-9)
 P0, P1, P2 = tl.constexpr(0.9999999963023853), tl.constexpr(-0.333332634245224), tl.constexpr(0.13331186801259237)
