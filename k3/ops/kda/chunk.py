@@ -169,11 +169,9 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         # triton_fwd_split: Tm is the A / inverse scratch even without training (tiles: split_tiles)
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        # cumulative decay by scan (exact fp32; faster than the tf32x3 dot in the keys kernel);
-        # "tf32r" operands rounded by one integer add
         kda_fwd_intra_split(
             q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale,
-            lb, l2, bsig, training, ap, tp, False, True,
+            lb, l2, bsig, training, ap, tp,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None

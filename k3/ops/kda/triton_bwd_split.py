@@ -135,7 +135,7 @@ def _kda_bwd_keys(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
     AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr, HAND: tl.constexpr,
-    COLWS: tl.constexpr, AP_STAGES: tl.constexpr, AP_UNROLL: tl.constexpr, S_STAGES: tl.constexpr,
+    AP_STAGES: tl.constexpr, AP_UNROLL: tl.constexpr, S_STAGES: tl.constexpr,
 ):
     """Every key-side gradient of key columns [i_k BK, i_k BK + BK) of one (chunk, head).
 
@@ -194,7 +194,7 @@ def _kda_bwd_keys(
     kbase = k + row64 * K + col0
     acc_q = tl.zeros([64, BK], dtype=tl.float32)
     acc_a = tl.zeros([64, BK], dtype=tl.float32)
-    wc = WC + tile * (64 * K) + col0 if COLWS else ws
+    wc = WC + tile * (64 * K) + col0
     for j in tl.range(0, 4, num_stages=AP_STAGES, loop_unroll_factor=AP_UNROLL):
         r0 = j * 16
         m = tl.load(ws + (r0 + 7) * K + o_c)
@@ -208,8 +208,6 @@ def _kda_bwd_keys(
         acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC, HAND)
         c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC, HAND) \
             + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC, HAND)
-        if not COLWS:  # block j's rows of G are dead from here on (read above by every thread)
-            tl.debug_barrier()
         tl.store(wc + r0 * K + o_ws, e_j * c_j)
     tl.debug_barrier()
     dkc = tl.load(wc + offs)
@@ -308,7 +306,7 @@ def _kda_bwd_finish(
 # (BK, warps) of the key kernel: a [64, 32] fp32 tile is 16 registers per thread, so the ~10 live tiles
 # leave room for 2-3 programs per SM, and every tf32 dot has N = 32 on its one warpgroup (tests set others).
 TILES = (32, 4)
-# Software pipelining of the key kernel's A/P and state loops (with COLWS: the column sums in registers).
+# Software pipelining of the key kernel's A/P and state loops (the column results go to their own scratch WC).
 AP_STAGES, AP_UNROLL, S_STAGES = 2, 1, 2
 
 
@@ -358,7 +356,7 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
         ROWS, WS, WC, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, COLWS=True, AP_STAGES=AP_STAGES, AP_UNROLL=AP_UNROLL,
+        CUMDOT=cumdot, HAND=half, AP_STAGES=AP_STAGES, AP_UNROLL=AP_UNROLL,
         S_STAGES=S_STAGES, num_warps=warps, num_stages=1,
     )
     _kda_bwd_finish[(NC, H)](

@@ -10,7 +10,7 @@
 * UT inverse, exact, in three levels (`_ut_inverse`): 8x8 diagonal blocks by forward substitution
   (7 steps, all blocks at once), merged to 16x16 blocks (Td = T8 - T8 L8 T8), then
   T = (I + N)^-1 Td by Horner (N = Td L, N^4 = 0).
-* "tf32r" operands are rounded to nearest by one integer add (`_half_up`, RADD) instead of the add +
+* "tf32r" operands are rounded to nearest by one integer add (`_half_up`) instead of the add +
   mask of triton_common (same values).
 """
 
@@ -24,7 +24,6 @@ from k3.ops.kda.triton_common import (
     _exp,
     _exp2,
     _expw,
-    _tf32_round,
 )
 
 
@@ -37,32 +36,20 @@ def _half_up(x):
 
 
 @triton.jit
-def _cumdecay_scr(b_g, CUMDOT: tl.constexpr, RADD: tl.constexpr, ACC: tl.constexpr):
-    """Inclusive cumulative sum of the log-decay chunk b_g [64, BK] over its rows, in the scratch
-    domain (see _ex: G for fp32 inputs (ACC), G log2 e otherwise).  CUMDOT: a dot with the 0/1 lower
-    triangle.  The triangle is exact in tf32, so two tf32 products (b_g's tf32 head and its
-    remainder) reach tf32x3's accuracy with one product less (the remainder rounded to nearest:
-    unbiased, |err| <= 2^-22 |g|).  Otherwise a scan."""
-    if CUMDOT:
-        o_t = tl.arange(0, 64)
-        tri = (o_t[None, :] <= o_t[:, None]).to(tl.float32)
-        g_hi = _tf32_round(b_g)
-        if RADD:
-            G = _dot(tri, g_hi, "tf32") + _dot(tri, _half_up(b_g - g_hi), "tf32")
-        else:
-            G = _dot(tri, g_hi, "tf32") + _dot(tri, b_g - g_hi, "tf32r")
-    else:
-        G = tl.cumsum(b_g, axis=0)
+def _cumdecay_scr(b_g, ACC: tl.constexpr):
+    """Inclusive cumulative sum (a scan, exact in fp32) of the log-decay chunk b_g [64, BK] over its rows,
+    in the scratch domain (see _ex: G for fp32 inputs (ACC), G log2 e otherwise)."""
+    G = tl.cumsum(b_g, axis=0)
     if not ACC:
         G = G * 1.4426950408889634
     return G
 
 
 @triton.jit
-def _dotv(a, b, PREC: tl.constexpr, RADD: tl.constexpr):
-    """_dot, with "tf32r" done by _half_up when RADD (the CPU interpreter's tf32 emulation
-    truncates too, so it computes the same values)."""
-    if PREC == "tf32r" and RADD:
+def _dotv(a, b, PREC: tl.constexpr):
+    """_dot, with "tf32r" done by _half_up (the CPU interpreter's tf32 emulation truncates too, so it
+    computes the same values)."""
+    if PREC == "tf32r":
         return _dot(_half_up(a), _half_up(b), "tf32")
     else:
         return _dot(a, b, PREC)
@@ -90,7 +77,7 @@ def _exw(x, ACC: tl.constexpr):
 
 @triton.jit
 def _rowblock(gs, q, k, row64, nr, col0, i, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-              GSTRIDE: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr, RADD: tl.constexpr):
+              GSTRIDE: tl.constexpr, AP_PREC: tl.constexpr, ACC: tl.constexpr):
     """Contribution of key columns [col0, col0 + BK) to row block i of P and A, transposed, as one
     [64, 32] fp32 tile X: X[s, c] ~ P[16 i + c, s] for c < 16, X[s, 16 + c] ~ A[16 i + c, s], without
     the row / column scales (L2 norms, scale, beta: applied once after the key loop).  Also returns
@@ -121,12 +108,12 @@ def _rowblock(gs, q, k, row64, nr, col0, i, H: tl.constexpr, K: tl.constexpr, BK
     offs = (row64 + rows.to(tl.int64)[None, :] * H) * K + col0 + o_c[:, None]
     src = tl.where((o32 < 16)[None, :], q + offs, k + offs)
     qk = tl.load(src, mask=(rows < nr)[None, :], other=0.0).to(tl.float32)
-    X = _dotv(kc, qk * _ex(Gi - midc[:, None], ACC), AP_PREC, RADD)
+    X = _dotv(kc, qk * _ex(Gi - midc[:, None], ACC), AP_PREC)
     return X, tl.sum(kl * kl, axis=1), tl.sum(qk * qk, axis=0)
 
 
 @triton.jit
-def _ut_inverse(a, scr, T_PREC: tl.constexpr, RADD: tl.constexpr):
+def _ut_inverse(a, scr, T_PREC: tl.constexpr):
     """T = (I + A)^-1 [64, 64] fp32 of the strictly lower A stored row-major at a (fp32, row stride
     64; the caller has synchronised).  scr[0:1024] (fp32) is the workspace for the stacked 16x16
     diagonal blocks; it may be a itself (A is read first, then a barrier).  The caller must
@@ -152,19 +139,19 @@ def _ut_inverse(a, scr, T_PREC: tl.constexpr, RADD: tl.constexpr):
     I16 = tl.where((o_t % 16)[:, None] == o16[None, :], 1.0, 0.0)
     Ts = I16
     for r in range(1, 8):
-        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dotv(A8, Ts, T_PREC, RADD), Ts)
+        Ts = tl.where((o_t % 8 == r)[:, None], I16 - _dotv(A8, Ts, T_PREC), Ts)
     tl.debug_barrier()  # A reads done
     tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
     tl.debug_barrier()
     same = b16t == b16s
     T8f = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    Ts = Ts - _dotv(T8f, _dotv(L8, Ts, T_PREC, RADD), T_PREC, RADD)
+    Ts = Ts - _dotv(T8f, _dotv(L8, Ts, T_PREC), T_PREC)
     tl.debug_barrier()  # T8 reads done
     tl.store(scr + o_t[:, None] * 16 + o16[None, :], Ts)
     tl.debug_barrier()
     Tdf = tl.load(scr + o_t[:, None] * 16 + (o_s % 16)[None, :], mask=same, other=0.0)
-    N = _dotv(Tdf, L, T_PREC, RADD)
-    Z = Tdf - _dotv(N, Tdf, T_PREC, RADD)
-    Z = Tdf - _dotv(N, Z, T_PREC, RADD)
-    b_T = Tdf - _dotv(N, Z, T_PREC, RADD)
+    N = _dotv(Tdf, L, T_PREC)
+    Z = Tdf - _dotv(N, Tdf, T_PREC)
+    Z = Tdf - _dotv(N, Z, T_PREC)
+    b_T = Tdf - _dotv(N, Z, T_PREC)
     return b_T

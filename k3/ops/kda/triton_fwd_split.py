@@ -56,8 +56,7 @@ from k3.ops.kda.triton_fwd_blocks import _cumdecay_scr, _dotv, _exw, _rowblock, 
 @triton.jit
 def _kda_fwd_keys(
     g, A_log, dt_bias, GL, GS, cu_seqlens, chunk_info, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, CUMDOT: tl.constexpr,
-    RADD: tl.constexpr, ACC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, ACC: tl.constexpr,
 ):
     """Key columns [i_k BK, i_k BK + BK) of one (chunk, head): the gate and the cumulative decay
     G -> GS [64, BK] (fp32, scratch domain: G for fp32 inputs (ACC), G log2 e otherwise), gl = G's
@@ -72,7 +71,7 @@ def _kda_fwd_keys(
     o_c = tl.arange(0, BK)
     b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, o_t < nr,
                 lower_bound, K, BK, GATE)
-    G = _cumdecay_scr(b_g, CUMDOT, RADD, ACC)
+    G = _cumdecay_scr(b_g, ACC)
     tl.store(GS + tile * (64 * K) + o_t[:, None] * K + col0 + o_c[None, :], G)
     # gl: G's last row bit for bit (the A-P kernel reads it back from GS for kg = k e^(gl - G))
     gl = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), axis=0)
@@ -86,7 +85,7 @@ def _kda_fwd_keys(
 def _kda_fwd_ap(
     q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu_seqlens, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, RADD: tl.constexpr,
+    AP_PREC: tl.constexpr,
 ):
     """Rows 16 i .. 16 i + 15 (row block i) of: P [64, 64] (input dtype, causal incl. the diagonal),
     the strictly lower A (fp32, ABUF tile, row stride 64), qg = scale q e^G / ||q|| and
@@ -105,7 +104,7 @@ def _kda_fwd_ap(
     sk = tl.zeros([64], dtype=tl.float32)
     sqk = tl.zeros([32], dtype=tl.float32)
     for kc in range(K // BK):
-        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, K, AP_PREC, ACC, RADD)
+        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, K, AP_PREC, ACC)
         X += dX
         if L2:
             sk += dsk
@@ -161,7 +160,7 @@ def _kda_fwd_ap(
 def _kda_fwd_finish(
     k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu_seqlens, chunk_info,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr, RADD: tl.constexpr,
+    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr,
 ):
     """T = (I + A)^-1 (T^T -> Tm when STORE_T), W = T Xw [64, K], U = T beta v [64, V]; program j of
     the NS programs of a (chunk, head) writes the column blocks b (W blocks first, then U) with
@@ -174,9 +173,9 @@ def _kda_fwd_finish(
     o_c = tl.arange(0, BK)
     ACC: tl.constexpr = k.dtype.element_ty == tl.float32
     if NS == 1:
-        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC, RADD)
+        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC)
     else:
-        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC, RADD)
+        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC)
     if STORE_T:  # transposed: the backward needs T^T dVn
         if NS == 1:
             tl.debug_barrier()  # the inverse's workspace reads are done
@@ -193,11 +192,11 @@ def _kda_fwd_finish(
             # Xw = beta k e^G / ||k|| (as v2 writes it), rebuilt from G in GS
             b_kn = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
             G = tl.load(gs + o_t[:, None] * K + kc * BK + o_c[None, :])
-            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC, RADD), K, BK)
+            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC), K, BK)
     for vc in tl.static_range(V // BV):
         if (K // BK + vc) % NS == j:
             b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
+            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC), V, BV)
 
 
 # (BK: key-chunk width, at most 64; warps of the keys / A-P kernels; NS: finish programs per chunk and
@@ -219,7 +218,7 @@ def split_tiles(K: int) -> tuple[int, int, int]:
 
 def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale: float,
                         lower_bound: float, l2: bool, bsig: bool, store_t: bool, ap_prec: str,
-                        t_prec: str, cumdot: bool, radd: bool):
+                        t_prec: str):
     """Launch the three split kernels; fills W, U, P, QG, KG, GL and Tm (fp32 [NC, H, 64, 64], T^T
     when store_t, else scratch) in place.  Inputs: q, k [B, T, H, K], v [B, T, H, V], g, beta as
     chunk_kda receives them (contiguous); W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64,
@@ -243,14 +242,14 @@ def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, T
     cu, ci = meta.cu_seqlens, meta.chunk_info
     _kda_fwd_keys[(NC * (K // bk), H)](
         g, A_log if gate else ROWS, dt_bias if gate else ROWS, GL, GS, cu, ci, lower_bound,
-        H=H, K=K, BK=bk, GATE=gate, CUMDOT=cumdot, RADD=radd, ACC=q.dtype == torch.float32,
+        H=H, K=K, BK=bk, GATE=gate, ACC=q.dtype == torch.float32,
         num_warps=warps, num_stages=1,
     )
     _kda_fwd_ap[(NC * 4, H)](
         q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu, ci, scale, H=H, K=K, BK=bk, L2=l2, BSIG=bsig,
-        AP_PREC=ap_prec, RADD=radd, num_warps=warps, num_stages=1,
+        AP_PREC=ap_prec, num_warps=warps, num_stages=1,
     )
     _kda_fwd_finish[(NC * ns, H)](
         k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu, ci, H=H, K=K, V=V, BK=bk, BV=min(V, 64), NS=ns,
-        STORE_T=store_t, T_PREC=t_prec, RADD=radd, num_warps=4, num_stages=1,
+        STORE_T=store_t, T_PREC=t_prec, num_warps=4, num_stages=1,
     )
