@@ -1,17 +1,18 @@
-"""Shared by the Triton-region benchmarks (bench/situ.py, bench/attn_res.py): command-line flags, the
-timer, and the CPU smoke mode (Triton interpreter)."""
+"""Shared by the Triton-region benchmarks (bench/situ.py, bench/attn_res.py, ...): command-line flags, the
+CPU smoke mode (Triton interpreter), tile sweeps and the fwd / fwd+bwd tables; timing, rooflines and
+errors come from bench/_harness.py."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
-import time
 from typing import Callable
 
 import torch
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+from bench._harness import HBM, do_bench_ms
+from bench._harness import device_name as _device_name
 
 
 def parse(doc: str, argv=None, tiny_help: str = "small shapes",  # noqa: ANN001
@@ -32,23 +33,12 @@ def parse(doc: str, argv=None, tiny_help: str = "small shapes",  # noqa: ANN001
 
 
 def timer(device: str) -> Callable:
-    """triton's do_bench (median ms) on CUDA; on the CPU (smoke runs) the mean of three wall-clock runs."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn, grad_to_none=None: do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
-
-    def cpu(fn, grad_to_none=None):  # noqa: ANN001
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t0) / 3 * 1e3
-
-    return cpu
+    """fn, grad_to_none=None -> median ms (`bench._harness.do_bench_ms` on `device`)."""
+    return lambda fn, grad_to_none=None: do_bench_ms(fn, device, grad_to_none)
 
 
 def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    return _device_name(device) + (" (interpreter)" if device == "cpu" else "")
 
 
 def sweep(module: str, names: tuple[str, ...], tiles: list[tuple[int, ...]], step: Callable, leaves: list,

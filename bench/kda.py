@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PEAK_TF = 790e12
-PEAK_BW = 4.3e12
+from bench._harness import BF16_ROOF as PEAK_TF  # noqa: E402
+from bench._harness import HBM as PEAK_BW  # noqa: E402
+from bench._harness import rel_err  # noqa: E402
+
 ROWS: list[dict] = []
 
 
@@ -89,9 +91,7 @@ def table() -> str:
     return "\n".join(out)
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rel = rel_err
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+from bench._harness import HBM, do_bench_ms  # noqa: E402
 
 
 def torch_path(x: torch.Tensor, w: torch.Tensor, streams: int) -> torch.Tensor:
@@ -51,14 +50,8 @@ def backward(outs: tuple[torch.Tensor, ...], grads: list[torch.Tensor]) -> None:
 
 
 def _bench(fn, device: str, grad_to_none: list | None = None) -> float:
-    """ms of fn(): triton's do_bench on CUDA; one plain call on the CPU (--smoke: runs, times nothing)."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    """ms of fn() (`bench._harness.do_bench_ms`; on the CPU --smoke runs, times nothing)."""
+    return do_bench_ms(fn, device, grad_to_none)
 
 
 def check(streams: int, passthrough: tuple[int, ...], device: str, T: int, C: int) -> None:
