@@ -1,16 +1,18 @@
-"""Shared by the Triton-region benchmarks (bench/situ.py, bench/attn_res.py): command-line flags, the
-timer, and the CPU smoke mode (Triton interpreter)."""
+"""Shared by the Triton-region benchmarks (bench/situ.py, bench/attn_res.py, ...): command-line flags, the
+CPU smoke mode (Triton interpreter), tile sweeps and the fwd / fwd+bwd tables; timing, rooflines and
+errors come from bench/_harness.py."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
-import time
 from typing import Callable
 
 import torch
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+from bench._harness import HBM, do_bench_ms
+from bench._harness import device_name as _device_name
 
 
 def parse(doc: str, argv=None, tiny_help: str = "small shapes",  # noqa: ANN001
@@ -31,39 +33,29 @@ def parse(doc: str, argv=None, tiny_help: str = "small shapes",  # noqa: ANN001
 
 
 def timer(device: str) -> Callable:
-    """triton's do_bench (median ms) on CUDA; on the CPU (smoke runs) the mean of three wall-clock runs."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn, grad_to_none=None: do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
-
-    def cpu(fn, grad_to_none=None):  # noqa: ANN001
-        t0 = time.perf_counter()
-        for _ in range(3):
-            fn()
-        return (time.perf_counter() - t0) / 3 * 1e3
-
-    return cpu
+    """fn, grad_to_none=None -> median ms (`bench._harness.do_bench_ms` on `device`)."""
+    return lambda fn, grad_to_none=None: do_bench_ms(fn, device, grad_to_none)
 
 
 def device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    return _device_name(device) + (" (interpreter)" if device == "cpu" else "")
 
 
-def sweep(prefix: str, names: tuple[str, ...], tiles: list[tuple[int, ...]], step: Callable, leaves: list,
-          nbytes: int, bench: Callable) -> None:
-    """Time `step` (a forward+backward) for each program tile, set through env {prefix}_{name} (the kernels
-    read their tile knobs per call); prints a table with GB/s for `nbytes` moved per step."""
+def sweep(module: str, names: tuple[str, ...], tiles: list[tuple[int, ...]], step: Callable, leaves: list,
+          nbytes: int, bench: Callable, offset: int = 0) -> None:
+    """Time `step` (a forward+backward) for each program tile, set as fields offset.. of the TILE constant of
+    kernel module `module` (the kernels read it per call; restored afterwards); prints a table with GB/s for
+    `nbytes` moved per step."""
+    mod = importlib.import_module(module)
+    default = mod.TILE
     print("\n| " + " | ".join(names) + " | fwd+bwd ms | GB/s |\n|" + "---:|" * (len(names) + 2))
     for tile in tiles:
-        env = {f"{prefix}_{n}": str(v) for n, v in zip(names, tile)}
-        os.environ.update(env)
+        mod.TILE = default[:offset] + tuple(tile) + default[offset + len(tile):]
         try:
             ms = bench(step, grad_to_none=leaves)
             print("| " + " | ".join(map(str, tile)) + f" | {ms:.3f} | {nbytes / ms / 1e6:,.0f} |", flush=True)
         finally:
-            for key in env:
-                os.environ.pop(key)
+            mod.TILE = default
     print()
 
 
@@ -77,16 +69,15 @@ def report(label: str, res: dict[str, tuple[float, float]], fwd_bytes: int, bwd_
               f"{gb:,.0f} | {gb * 1e9 / HBM:.2f} | {base / both:.2f} |", flush=True)
 
 
-def start(doc: str, argv, var: str | tuple[str, ...], tiny_help: str,  # noqa: ANN001, ANN201
+def start(doc: str, argv, tiny_help: str,  # noqa: ANN001, ANN201
           extra: Callable[[argparse.ArgumentParser], None] | None = None):
-    """Flags (see `parse`), timer, and the compiled torch regions (Kernels) for the benchmark of region env
-    `var` (or several): each is pinned to "inductor" so the rows that go through Kernels time the torch
-    regions."""
+    """Flags (see `parse`), timer, and the compiled torch regions (Kernels with every region on "torch", so
+    the rows that go through Kernels time the torch regions, never the Triton kernels)."""
     args = parse(doc, argv, tiny_help, extra)  # first: it picks the Triton interpreter, read when k3's kernels are defined
+    from k3.kernel_config import TORCH
     from k3.model.fused import Kernels
 
-    os.environ.update({v: "inductor" for v in ((var,) if isinstance(var, str) else var)})
-    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager")
+    compiled = Kernels(compiled=True, backend="inductor" if args.device == "cuda" else "aot_eager", config=TORCH)
     return args, timer(args.device), compiled
 
 

@@ -7,8 +7,7 @@ Prints ms, achieved GB/s (minimal bytes: forward reads n candidates and writes t
 reads the output gradient and n candidates and writes n gradients) and the fraction of 4.3 TB/s, and
 the ratio to the Inductor region from the same run. Correctness first: Triton vs float64 on the
 first shape. A second table times the mix followed by the layer's RMSNorm (what the model runs):
-the norm inside the mix kernels (`attn_res_mix(norm_weight=...)`, env K3_ATTNRES_NORM=1) against the
-Triton mix then the compiled norm (the default) and the Inductor regions.
+the Triton mix then the compiled norm against the Inductor regions.
 
 Usage: python bench/attn_res.py [--tokens 65536] [--sweep]
        python bench/attn_res.py --tiny --device cpu     # smoke run under the Triton interpreter
@@ -67,7 +66,7 @@ def partial_sums(args, bench) -> None:  # noqa: ANN001
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, "K3_ATTNRES", "small shapes")
+    args, bench, compiled = start(__doc__, argv, "small shapes")
     from k3.model.fused import EAGER
     from k3.ops.attn_res import attn_res_mix
 
@@ -89,7 +88,7 @@ def main(argv=None) -> int:
         report(f"{n} x [{M}, {D}]", res, fwd_bytes, bwd_bytes)
         if args.sweep and n == 4:
             fn = impls["k3 triton"]
-            sweep("K3_ATTNRES", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),
+            sweep("k3.ops.attn_res.triton_attn_res", ("BM", "BD", "WARPS"), [(8, 256, 4), (4, 256, 4), (16, 256, 8), (8, 512, 8),
                                                        (4, 1024, 8), (2, 1024, 4), (16, 128, 4), (32, 128, 8)],
                   lambda: fn(cands, w_norm, w_proj).backward(go), leaves, fwd_bytes + bwd_bytes, bench)
     partial_sums(args, bench)
@@ -98,10 +97,9 @@ def main(argv=None) -> int:
         cands, w_norm, w_proj = inputs(n, M, D, args.device)
         ln = (torch.rand(D, device=args.device) + 0.5).requires_grad_()
         go = torch.randn(M, D, device=args.device, dtype=torch.bfloat16)
-        norm = {"k3 triton, fused norm": lambda c, wn, wp: attn_res_mix(c, wn, wp, EPS, norm_weight=ln, norm_eps=EPS),
-                "k3 triton, then norm": lambda c, wn, wp: compiled.rms_norm(attn_res_mix(c, wn, wp, EPS), ln, EPS),
+        norm = {"k3 triton, then norm": lambda c, wn, wp: compiled.rms_norm(attn_res_mix(c, wn, wp, EPS), ln, EPS),
                 "inductor": lambda c, wn, wp: compiled.rms_norm(compiled.attn_res(c, wn, wp, EPS), ln, EPS)}
-        # minimal bytes: the fused forward also writes the mix (saved for the backward)
+        # minimal bytes of the mix + norm (the mix written once, read once by the norm)
         fwd_bytes, bwd_bytes = (n + 2) * M * D * 2, (2 * n + 2) * M * D * 2
         leaves = [*cands, w_norm, w_proj, ln]
         report(f"{n} x [{M}, {D}]", time_impls(norm, (cands, w_norm, w_proj), go, leaves, bench), fwd_bytes, bwd_bytes)

@@ -1,6 +1,6 @@
 """The loss path on one GPU: lm_head GEMM + the model's cross-entropy (compiled with Inductor, as
 `Kernels.cross_entropy` runs it, and eager) against the fused chunked linear + cross-entropy of
-`k3.ops.cross_entropy` (`linear_cross_entropy`, env K3_CE=triton in the model), at k3-small's
+`k3.ops.cross_entropy` (`linear_cross_entropy`, kernels.cross_entropy in the model), at k3-small's
 micro-batch: 65,536 tokens, hidden 1,024, vocabulary 32,768, bf16 autocast with an fp32 lm_head
 weight as in training.
 
@@ -34,7 +34,7 @@ def _args(argv):  # noqa: ANN001, ANN202
         ap.add_argument("--chunks", default=None, help="comma-separated chunk_rows of the fused path (default "
                         "8192; tiny 16,64)")
 
-    args, bench, compiled = start(__doc__, argv, "K3_CE", "64 tokens, hidden 32, vocabulary 300", chunks)
+    args, bench, compiled = start(__doc__, argv, "64 tokens, hidden 32, vocabulary 300", chunks)
     args.chunks = [int(c) for c in (args.chunks or ("16,64" if args.tiny else "8192")).split(",")]
     return args, bench, compiled
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:  # noqa: ANN001
     if args.sweep:
         from k3.ops.cross_entropy.triton_ce import ce_rows
 
-        sweep("K3_CE", ("BV", "WARPS"), [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8),
+        sweep("k3.ops.cross_entropy.triton_ce", ("BV", "WARPS"), [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8),
                                          (8192, 16)],
               lambda: ce_rows(logits, labels, scale, loss, True), [], nbytes, bench)
     return 0

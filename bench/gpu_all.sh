@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -23,12 +23,12 @@ for s in $sections; do
       grep -E "passed|failed|^FAILED|^E |^[0-9.]+s (call|setup)" "$OUT/tests.txt" | head -30 ;;
     train)
       { python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
-          --embed-dtype bf16,fp32 --situ triton,inductor --attnres triton,inductor --combine triton,inductor
+          --embed-dtype bf16,fp32 --situ triton,torch --attnres triton,torch --combine triton,torch
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
-    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (env switches before the call for an A/B; STEP_ARGS: more bench/train.py flags)
+    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (STEP_ARGS: more bench/train.py flags, e.g. --ce torch,triton for an A/B)
       python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum ${STEP_ACCUM:-8} \
         ${STEP_ARGS:-} 2>&1 | quiet > "$OUT/step.txt"
       grep -E "^\||^# T" "$OUT/step.txt" ;;
@@ -55,11 +55,7 @@ for s in $sections; do
       PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --quick --sections train 2>&1 | quiet > "$OUT/kdafla.txt"
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
       grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
-    variants)  # KDA kernel variants (env switches): numerics vs float64, fwd / fwd+bwd times, per-kernel profile
-      # (KDA_ARGS="--shape 65536,8 --docs 8": k3-small's micro-batch instead of B1 T8192 H96)
-      python bench/kda_variants.py --variants ${KDA_VARIANTS:-default} ${KDA_ARGS:-} 2>&1 | quiet > "$OUT/variants.txt"
-      grep -E "^ *[a-z0-9_]+ *(\||:)|err|ms" "$OUT/variants.txt" | head -60 ;;
-    shortconv)  # short conv + SiLU kernels (window, tiles) vs the transpose + cuDNN depthwise conv path, x in
+    shortconv)  # short conv + SiLU kernels vs the transpose + cuDNN depthwise conv path, x in
       # the model's layout (a slice of the 4232-wide fused projection), with the tile sweep; then contiguous x
       { python bench/short_conv.py --sweep --tokens 65536 --row-width 4232
         python bench/short_conv.py --tokens 65536; } 2>&1 | quiet > "$OUT/shortconv.txt"
@@ -83,10 +79,10 @@ for s in $sections; do
       python bench/moe_route.py --sweep 2>&1 | quiet > "$OUT/route.txt"
       grep -E "^\||check" "$OUT/route.txt" ;;
     ce)  # lm_head + cross-entropy: the fused chunked path (k3.ops.cross_entropy) vs the Inductor region vs
-      # eager, then the k3-small step with K3_CE inductor (today's path) and triton
+      # eager, then the k3-small step with the torch loss and the fused one
       { python bench/cross_entropy.py --chunks 4096,8192,16384 --sweep
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum 2 \
-          --ce inductor,triton; } 2>&1 | quiet > "$OUT/ce.txt"
+          --ce torch,triton; } 2>&1 | quiet > "$OUT/ce.txt"
       grep -E "^\||check" "$OUT/ce.txt" ;;
     ncu)  # Nsight Compute on k3-small's KDA layer (bench/ncu_target.py): one launch of $NCU_KERNEL (default the
       # backward key kernel) with every section, printed as details + per-SASS-line stall samples (CSV), then
@@ -102,8 +98,7 @@ for s in $sections; do
       grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|^  _kda" \
         "$OUT/ncu_all.txt" | head -80
       grep -E -i "stall|warp cycles per|issued ipc|est. speedup" "$OUT/ncu.txt" | head -40 ;;
-    ncuconv)  # Nsight Compute on the short conv's kernels of one k3-small layer (window: forward, backward;
-      # K3_CONV=tiles NCU_COUNT=3: forward, dz pass, dx/dw pass), x sliced from the fused projection (row width
+    ncuconv)  # Nsight Compute on the short conv's kernels of one k3-small layer (forward, backward), x sliced from the fused projection (row width
       # 4232, as the model) and contiguous (0)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for rw in ${NCU_ROW_WIDTHS:-4232 0}; do
@@ -129,10 +124,6 @@ for s in $sections; do
     router)  # MoE router scores: split bf16 GEMMs (k3.ops.router) vs the fp32 region vs eager
       python bench/router.py 2>&1 | quiet > "$OUT/router.txt"
       grep -E "^\||check" "$OUT/router.txt" ;;
-    kdagate)  # the KDA key kernel's loop variants as the model calls the kernels (gate + beta sigmoid inside)
-      python bench/kda_variants.py --gate --shape 65536,8 --docs 8 --variants ${KDA_VARIANTS:-default,oldloops,ap1s2,ap2s1} \
-        2>&1 | quiet > "$OUT/kdagate.txt"
-      grep -E "errors|fwd\+bwd|_kda_bwd_keys|registers" "$OUT/kdagate.txt" | head -40 ;;
     attnres)  # Block-AttnRes mix: Triton kernels vs the Inductor regions vs eager
       python bench/attn_res.py --sweep 2>&1 | quiet > "$OUT/attnres.txt"
       grep -E "^\||check" "$OUT/attnres.txt" ;;
@@ -154,7 +145,7 @@ for s in $sections; do
       python bench/distill.py --preset ${DISTILL_PRESET:-k3-small} --device cuda --out "$OUT/distill.jsonl" \
         ${DISTILL_ARGS:-} 2>&1 | quiet > "$OUT/distill.txt"
       grep -E "^\||Error|error" "$OUT/distill.txt" | tail -8 ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -5,7 +5,7 @@ experts (65,536 tokens per micro-batch, top-8 of 64 experts, L = I = 512):
   dw13   d_ab^T xs per expert -> [E, 2I, L]  (into w1.grad and w3.grad)
   dw2    dy^T h per expert -> [E, L, I]      (into w2.grad)
 
-Each k3 row is a tile config (env K3_GMMW_*), checked against torch's result (whose bf16 output rounding
+Each k3 row is a tile config (the WGRAD_* constants of k3/ops/grouped_gemm/triton_gmm.py), checked against torch's result (whose bf16 output rounding
 is most of the difference). Prints ms, TFLOP/s, roof fraction and the speed against torch in the same run.
 
 Usage: python bench/grouped_gemm.py [--tokens 65536] [--configs all|default]
@@ -14,7 +14,6 @@ Usage: python bench/grouped_gemm.py [--tokens 65536] [--configs all|default]
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -27,9 +26,11 @@ WGRAD_CONFIGS = [  # BM, BN, BK, warps, stages (first: the default)
 ]
 
 
-def set_env(prefix: str, names: tuple[str, ...], values: tuple[int, ...]) -> None:
-    for n, v in zip(names, values):
-        os.environ[f"{prefix}_{n}"] = str(v)
+def set_tile(cfg: tuple[int, int, int, int, int]) -> None:
+    """(BM, BN, BK, warps, stages) into the weight-gradient kernel's module constants (read per call)."""
+    from k3.ops.grouped_gemm import triton_gmm
+
+    triton_gmm.WGRAD_TILE, (triton_gmm.WGRAD_WARPS, triton_gmm.WGRAD_STAGES) = cfg[:3], cfg[3:]
 
 
 def main(argv=None) -> int:
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         base = do_bench(torch_path, warmup=25, rep=100)
         row(name, "torch._grouped_mm + add_", "", base, flops, base, 0.0)
         for cfg in wg_cfgs:
-            set_env("K3_GMMW", ("BM", "BN", "BK", "WARPS", "STAGES"), cfg)
+            set_tile(cfg)
             try:
                 gmm_wgrad(a, b, offs, outs, False)
                 got = torch.cat(outs, 1) if len(outs) == 2 else outs[0]

@@ -34,8 +34,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PEAK_TF = 790e12
-PEAK_BW = 4.3e12
+from bench._harness import BF16_ROOF as PEAK_TF  # noqa: E402
+from bench._harness import HBM as PEAK_BW  # noqa: E402
+from bench._harness import rel_err  # noqa: E402
+
 ROWS: list[dict] = []
 
 
@@ -89,9 +91,7 @@ def table() -> str:
     return "\n".join(out)
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rel = rel_err
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
@@ -178,9 +178,14 @@ def sec_check(fck, frk, precision_variant):
     errs = k3_errors()
     log("  k3 bf16 fused vs fp64 ref (B1 T2048 H4 D128): " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
     if precision_variant:
-        os.environ["K3_KDA_T_PREC"] = os.environ["K3_KDA_AP_PREC"] = "tf32x3"
-        e2 = k3_errors()
-        del os.environ["K3_KDA_T_PREC"], os.environ["K3_KDA_AP_PREC"]
+        from k3.ops.kda import chunk
+
+        default = chunk.HALF_PRECISIONS
+        chunk.HALF_PRECISIONS = ("tf32x3", "tf32x3") + default[2:]  # module constant, restored below
+        try:
+            e2 = k3_errors()
+        finally:
+            chunk.HALF_PRECISIONS = default
         log("  k3 same, tf32x3 solve and A/P dots:          " + ", ".join(f"{n} {e:.2e}" for n, e in e2.items()))
     bad = {n: e for n, e in errs.items() if not e < 2e-2}
     if fck is not None:
@@ -214,7 +219,7 @@ TRAIN_SHAPES = [(1, 8192, 96, 128), (2, 16384, 16, 128), (4, 2048, 16, 128), (4,
                 (8, 2048, 32, 256), (8, 1024, 8, 64)]
 
 
-def sec_train(fck, shapes):
+def sec_train(fck, shapes, variants=False):
     from k3.ops.kda.chunk import chunk_kda
 
     log("== training (B2): pre-gated g = logsigmoid(randn), qk-l2norm in kernel, bound -5")
@@ -253,13 +258,17 @@ def sec_train(fck, shapes):
             if "fla" in impls:
                 kernel_profile(impls["fla"], "fla fwd")
                 kernel_profile(lambda: impls["fla"]().backward(do), "fla fwd+bwd")
-            for bv in ([16, 64] if os.environ.get("K3_BENCH_VARIANTS") else []):
-                os.environ["K3_KDA_BV"] = str(bv)
-                impls["k3"]().backward(do)
-                fwd_ms = bench(impls["k3"])
-                both_ms = bench(lambda: impls["k3"]().backward(do))
+            from k3.ops.kda import chunk
+
+            for bv in ([16, 64] if variants else []):
+                chunk.STATE_BV = bv  # the state scans' value block (module constant), restored below
+                try:
+                    impls["k3"]().backward(do)
+                    fwd_ms = bench(impls["k3"])
+                    both_ms = bench(lambda: impls["k3"]().backward(do))
+                finally:
+                    chunk.STATE_BV = None
                 log(f"  k3 variant BV={bv}: fwd {fwd_ms:.3f} ms, fwd+bwd {both_ms:.3f} ms")
-                del os.environ["K3_KDA_BV"]
         n = B * T
         cfg = f"B{B} T{T} H{H} D{D}"
         fl = kda_flops(n, H, D)
@@ -370,6 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-heads", default="16,24")
     ap.add_argument("--decode-heads", default="96,24")
     ap.add_argument("--precision-variant", action="store_true", help="also check k3 with tf32x3 solve / A-P dots")
+    ap.add_argument("--variants", action="store_true", help="also time the state scans' value blocks 16 and 64")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -400,7 +410,7 @@ def main(argv=None) -> int:
     if "decode" in secs:
         sec_decode(frk, copy_bw, [1, 8, 32, 64, 128, 256], ints(args.decode_heads))
     if "train" in secs:
-        sec_train(fck, shapes)
+        sec_train(fck, shapes, args.variants)
     if "prefill" in secs:
         sec_prefill(fck, ints(args.prefill_heads))
     if "long" in secs:

@@ -52,7 +52,7 @@ def check(what: str, fns: dict, inputs: tuple, go: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, ("K3_COMBINE", "K3_DISPATCH"), "64 tokens")
+    args, bench, compiled = start(__doc__, argv, "64 tokens")
     if args.tiny:
         args.tokens = 64
     from k3.model.fused import EAGER, sort_slots
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         report(f"dispatch {name} {N} x {k} x {L}", res, (N * k + N) * L * 2, (N * k + N) * L * 2)
         if args.sweep and i == 0:
             fn = fns["k3 triton"]
-            sweep("K3_COMBINE", ("BN", "BL", "WARPS"), [(8, 256, 4), (4, 512, 4), (16, 256, 8), (8, 512, 8),
+            sweep("k3.ops.moe_combine.triton_combine", ("BN", "BL", "WARPS"), [(8, 256, 4), (4, 512, 4), (16, 256, 8), (8, 512, 8),
                                                        (2, 512, 4), (16, 128, 4), (32, 128, 8), (4, 256, 2)],
                   lambda: fn(y, w).backward(go), [y, w], fwd_bytes + bwd_bytes, bench)
     return 0

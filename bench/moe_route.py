@@ -1,5 +1,5 @@
 """MoE routing bookkeeping on one GPU: the top-k expert selection and the expert-sorted slot order
-(order, its inverse, per-expert counts), k3's Triton kernels (`k3.ops.moe_route`, env K3_ROUTE=triton)
+(order, its inverse, per-expert counts), k3's Triton kernels (`k3.ops.moe_route`, kernels.moe_route="triton")
 against the torch code the model runs otherwise (`torch.topk(choice + bias, sorted=False)`; stable
 argsort, inverse scatter, index_add counts), on k3-small's shape at 65,536 tokens (top-8 of 64
 experts), kimi-k3's at 8,192 tokens (top-16 of 896) and top-16 of 384 at 8,192 tokens.
@@ -43,7 +43,7 @@ def torch_parts(choice: torch.Tensor, bias: torch.Tensor, k: int, E: int) -> tup
         return torch.topk(choice + bias, k, dim=-1, sorted=False).indices
 
     def slots(idx: torch.Tensor) -> tuple:
-        return route_slots(idx, E)  # K3_ROUTE=inductor (main): the torch code
+        return route_slots(idx, E, "torch")  # the torch code
 
     return topk, slots
 
@@ -73,7 +73,6 @@ def time_parts(fns: tuple, bench) -> tuple[float, float, float]:  # noqa: ANN001
 
 def main(argv=None) -> int:  # noqa: ANN001
     args = parse(__doc__, argv, "64 tokens")
-    os.environ["K3_ROUTE"] = "inductor"  # the model's functions run their torch code; the kernels are called directly
     if args.tiny:
         args.tokens = 64
     bench = timer(args.device)
@@ -92,12 +91,12 @@ def main(argv=None) -> int:  # noqa: ANN001
         if args.sweep:
             topk, slots = fns["triton"]
             idx = topk()
-            sweep("K3_ROUTE", ("TOPK_TILE", "TOPK_WARPS"), [(t, w) for t in (512, 1024, 2048, 4096, 8192)
+            sweep("k3.ops.moe_route.triton_route", ("TOPK_TILE", "TOPK_WARPS"), [(t, w) for t in (512, 1024, 2048, 4096, 8192)
                                                           for w in (1, 2, 4, 8)],
                   topk, [], N * E * 4 + N * k * 8, bench)
-            sweep("K3_ROUTE", ("SORT_B", "SORT_WARPS"), [(b, w) for b in (256, 512, 1024, 2048, 4096)
+            sweep("k3.ops.moe_route.triton_route", ("SORT_B", "SORT_WARPS"), [(b, w) for b in (256, 512, 1024, 2048, 4096)
                                                        for w in (2, 4, 8)],
-                  lambda: slots(idx), [], N * k * 8 * 4, bench)
+                  lambda: slots(idx), [], N * k * 8 * 4, bench, offset=2)
     return 0
 
 

@@ -25,14 +25,13 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench._harness import sync  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.model.causal_lm import K3ForCausalLM  # noqa: E402
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups  # noqa: E402
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+_sync = sync
 
 
 def _report(name: str, prof, wall: float, device: torch.device, rows: int, by_shape: bool = False,

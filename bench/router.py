@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench._harness import rel_err  # noqa: E402
 from bench._regions import header, report, start, time_impls  # noqa: E402
 
 
@@ -29,8 +30,7 @@ def shapes(tokens: int) -> list[tuple[str, int, int, int]]:
     return [("k3-small", tokens, 1024, 64), ("kimi-k3", min(tokens, 16384), 7168, 896)]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+_rel = rel_err
 
 
 def check(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -54,7 +54,7 @@ def check(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, "K3_ROUTE", "256 tokens")
+    args, bench, compiled = start(__doc__, argv, "256 tokens")
     if args.tiny:
         args.tokens = 256
     from k3.model.fused import EAGER

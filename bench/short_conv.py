@@ -8,13 +8,10 @@ Correctness first: forward and both gradients against the float64 loops on a sma
 
 --passthrough 1024,128,8 runs the KDA layer's call: x is the whole fused projection (k3-small: 4,232
 columns), the groups after the conv channels come back as views and their gradients go into x's gradient
-with the conv's; the default copies them inside the conv backward's launch, "k3 window, torch passthrough
-copies" times the former torch copies (env K3_CONV_PASS=torch) in the same run.
+with the conv's (copied inside the conv backward's launch).
 
---sweep also times the sliding-window kernels (the default, env K3_CONV=window) with other program tiles
-(env K3_CONV_{FWDW,BWDW}_{R,BC,WARPS}: strip rows, channels, warps) and the tiled
-kernels (K3_CONV=tiles, env K3_CONV_BWD_{BT,BC,WARPS}) with their split backward's dz scratch in fp32 and
-in x's dtype (env K3_CONV_DZ), all read per call by k3/ops/short_conv/triton_conv.py, on the same inputs.
+--sweep also times the sliding-window kernels with other program tiles (strip rows, channels, warps: the
+WINDOW constants of k3/ops/short_conv/triton_conv.py, set for each row and restored), on the same inputs.
 
 --smoke runs every path once on a tiny input on the CPU (the kernels under TRITON_INTERPRET=1): it checks
 the script, its times mean nothing.
@@ -28,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-HBM = 4.3e12  # bytes/s, measured H200 copy bandwidth (benchmarks.md)
+from bench._harness import HBM, do_bench_ms  # noqa: E402
 
 
 def torch_path(x: torch.Tensor, w: torch.Tensor, streams: int) -> torch.Tensor:
@@ -54,14 +50,8 @@ def backward(outs: tuple[torch.Tensor, ...], grads: list[torch.Tensor]) -> None:
 
 
 def _bench(fn, device: str, grad_to_none: list | None = None) -> float:
-    """ms of fn(): triton's do_bench on CUDA; one plain call on the CPU (--smoke: runs, times nothing)."""
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    """ms of fn() (`bench._harness.do_bench_ms`; on the CPU --smoke runs, times nothing)."""
+    return do_bench_ms(fn, device, grad_to_none)
 
 
 def check(streams: int, passthrough: tuple[int, ...], device: str, T: int, C: int) -> None:
@@ -81,23 +71,16 @@ def check(streams: int, passthrough: tuple[int, ...], device: str, T: int, C: in
     ref.backward(do)
     dp = [torch.randn(1, T, n, device=device, dtype=x.dtype) for n in passthrough]
     rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()  # noqa: E731
-    for mode, dz, pm in (("window", "-", "kernel"), ("window", "-", "torch"), ("tiles", "fp32", "kernel"),
-                         ("tiles", "half", "kernel")):  # env K3_CONV / K3_CONV_DZ / K3_CONV_PASS
-        if pm == "torch" and not passthrough:
-            continue
-        os.environ.update(K3_CONV=mode, K3_CONV_DZ="auto" if dz == "-" else dz, K3_CONV_PASS=pm)
-        x.grad = w.grad = None
-        out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu, passthrough=passthrough)
-        backward(out, [d.to(x.dtype) for d in do.unbind(0)] + dp)
-        e = (rel(torch.stack(out[:streams]), ref), rel(x.grad[..., :SC], xr.grad), rel(w.grad, wr.grad))
-        exact = torch.equal(x.grad[..., SC:], torch.cat(dp, -1)) if passthrough else True
-        print(f"check (bf16 vs float64, T {T}, 5 documents, {mode} kernels, dz scratch {dz}"
-              + (f", passthrough {passthrough} by {pm}: exact {exact}" if passthrough else "")
-              + f"): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
-        if max(e) > 1e-2 or not exact:
-            raise SystemExit("short conv check FAILED")
-    for k in ("K3_CONV_DZ", "K3_CONV", "K3_CONV_PASS"):
-        os.environ.pop(k)
+    x.grad = w.grad = None
+    out = short_conv_silu(x, w, streams=streams, cu_seqlens=cu, passthrough=passthrough)
+    backward(out, [d.to(x.dtype) for d in do.unbind(0)] + dp)
+    e = (rel(torch.stack(out[:streams]), ref), rel(x.grad[..., :SC], xr.grad), rel(w.grad, wr.grad))
+    exact = torch.equal(x.grad[..., SC:], torch.cat(dp, -1)) if passthrough else True
+    print(f"check (bf16 vs float64, T {T}, 5 documents"
+          + (f", passthrough {passthrough}: exact {exact}" if passthrough else "")
+          + f"): out {e[0]:.2e}, dx {e[1]:.2e}, dw {e[2]:.2e}")
+    if max(e) > 1e-2 or not exact:
+        raise SystemExit("short conv check FAILED")
 
 
 def main(argv=None) -> int:
@@ -152,22 +135,15 @@ def main(argv=None) -> int:
         return (torch_path(xc, w, S),) + tuple(x.narrow(-1, o, n) for o, n in zip(views, passthrough))
 
     k3_grads = list(do.unbind(0)) + dp  # S stream gradients, then the passthrough groups'
-    impls = {"k3 window (default)": (k3, {}, k3_grads)}
-    if passthrough:  # the same run's A/B of the passthrough gradients' copies
-        impls["k3 window, torch passthrough copies"] = (k3, {"K3_CONV_PASS": "torch"}, k3_grads)
-    impls["k3 tiles"] = (k3, {"K3_CONV": "tiles"}, k3_grads)
-    impls["torch cudnn"] = (torch_impl, {}, [do] + dp)
+    impls = {"k3 window": (k3, k3_grads), "torch cudnn": (torch_impl, [do] + dp)}
     nbytes = T * SC * 2 * 2  # read x, write out (bf16); the backward reads x and dout, writes dx: 1.5x
     both_bytes = 2.5 * nbytes + T * sum(passthrough) * 2 * 2  # + read the groups' gradients, write their dx
     res = {}
-    for name, (fn, env, grads) in impls.items():
-        os.environ.update(env)
+    for name, (fn, grads) in impls.items():
         fwd = _bench(fn, device)
         both = _bench(lambda fn=fn, grads=grads: backward(fn(), grads), device, grad_to_none=[x, w])
         x.grad = w.grad = None
         res[name] = (fwd, both)
-        for k in env:
-            os.environ.pop(k)
     layout = f"rows of a {width}-wide tensor" if width > SC else "contiguous"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke run (times mean nothing)"
     print(f"\nshort conv W 4 + SiLU, 1 x {T} tokens x {SC} channels bf16 ({layout}"
@@ -184,41 +160,36 @@ def main(argv=None) -> int:
     return 0
 
 
-def _timed(env: dict, fn, nbytes: float) -> tuple[str, str]:
-    """(ms, GB/s) of fn() moving `nbytes` under the env settings `env` (restored afterwards); a tile that
-    fails is reported in the ms column."""
-    os.environ.update(env)
+def _timed(direction: str, tile: tuple[int, int, int], fn, nbytes: float) -> tuple[str, str]:
+    """(ms, GB/s) of fn() moving `nbytes` with the window kernels' `direction` tile ("FWDW" / "BWDW") set to
+    `tile` (restored afterwards); a tile that fails is reported in the ms column."""
+    from k3.ops.short_conv import triton_conv
+
+    default = triton_conv.WINDOW[direction]
+    triton_conv.WINDOW[direction] = tile
     try:
         ms = _bench(fn, "cuda")
         return f"{ms:.3f}", f"{nbytes / ms / 1e6:,.0f}"
     except Exception as ex:  # a tile that does not compile: report and go on
         return f"{type(ex).__name__}: {str(ex)[:80]}", ""
     finally:
-        for k in env:
-            os.environ.pop(k)
+        triton_conv.WINDOW[direction] = default
 
 
 def sweep(fn, x, w, grads: list[torch.Tensor], nbytes: float, both_bytes: float) -> None:
-    """The window kernels' forward tiles (forward ms) and backward tiles (fwd+bwd ms, default forward), then
-    the tiled kernels' backward tiles and dz scratch (fwd+bwd ms, tiled forward)."""
+    """The window kernels' forward tiles (forward ms) and backward tiles (fwd+bwd ms, default forward)."""
     def both():
         x.grad = w.grad = None
         backward(fn(), grads)
 
-    print("\n| kernels | pass | R / BT | BC | warps | dz | ms | GB/s |\n|---|---|---:|---:|---:|---|---:|---:|")
-    row = "| {} | {} | {} | {} | {} | {} | {} | {} |"
+    print("\n| kernels | pass | R | BC | warps | ms | GB/s |\n|---|---|---:|---:|---:|---:|---:|")
+    row = "| {} | {} | {} | {} | {} | {} | {} |"
     for r, bc, wp in [(64, 512, 4), (32, 512, 4), (128, 512, 4), (256, 512, 4), (64, 1024, 4), (64, 1024, 8),
                       (64, 256, 2), (64, 256, 1), (128, 256, 2), (64, 512, 8), (64, 128, 1)]:
-        env = {"K3_CONV_FWDW_R": str(r), "K3_CONV_FWDW_BC": str(bc), "K3_CONV_FWDW_WARPS": str(wp)}
-        print(row.format("window", "fwd", r, bc, wp, "-", *_timed(env, fn, nbytes)), flush=True)
+        print(row.format("window", "fwd", r, bc, wp, *_timed("FWDW", (r, bc, wp), fn, nbytes)), flush=True)
     for r, bc, wp in [(128, 512, 4), (64, 512, 4), (256, 512, 4), (512, 512, 4), (128, 1024, 4), (128, 1024, 8),
                       (128, 256, 2), (128, 256, 1), (256, 256, 2), (128, 512, 8), (128, 128, 1), (64, 256, 2)]:
-        env = {"K3_CONV_BWDW_R": str(r), "K3_CONV_BWDW_BC": str(bc), "K3_CONV_BWDW_WARPS": str(wp)}
-        print(row.format("window", "fwd+bwd", r, bc, wp, "-", *_timed(env, both, both_bytes)), flush=True)
-    for dz, (bt, bc, wp) in [("half", (64, 128, 4)), ("fp32", (64, 128, 4)), ("half", (32, 128, 4)), ("half", (64, 64, 4))]:
-        env = {"K3_CONV": "tiles", "K3_CONV_DZ": dz, "K3_CONV_BWD_BT": str(bt), "K3_CONV_BWD_BC": str(bc),
-               "K3_CONV_BWD_WARPS": str(wp)}
-        print(row.format("tiles", "fwd+bwd", bt, bc, wp, dz, *_timed(env, both, both_bytes)), flush=True)
+        print(row.format("window", "fwd+bwd", r, bc, wp, *_timed("BWDW", (r, bc, wp), both, both_bytes)), flush=True)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def check(ab: torch.Tensor) -> None:
 
 
 def main(argv=None) -> int:
-    args, bench, compiled = start(__doc__, argv, "K3_SITU", "64 tokens")
+    args, bench, compiled = start(__doc__, argv, "64 tokens")
     if args.tiny:
         args.tokens = 64
     from k3.model.fused import EAGER
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         report(f"{name} [{M}, {2 * I}]", res, fwd_bytes, bwd_bytes)
         if args.sweep and i == 0:
             fn = impls["k3 triton"]
-            sweep("K3_SITU", ("BM", "BI", "WARPS"), [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8),
+            sweep("k3.ops.situ.triton_situ", ("BM", "BI", "WARPS"), [(16, 256, 8), (8, 256, 4), (16, 512, 8), (32, 256, 8),
                                                     (4, 512, 4), (32, 128, 4), (64, 256, 16)],
                   lambda: fn(ab).backward(go), [ab], fwd_bytes + bwd_bytes, bench)
     return 0

@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import time
 
 import torch
 
 from k3.config import get_preset
 from k3.model.causal_lm import K3ForCausalLM
-from k3.model.compile import compile_model
-from k3.model.fused import TRITON_BY_DEFAULT
-from k3.ops.backend import env_flag
+from k3.kernel_config import KernelConfig
+from k3.model.compile import compile_model, set_kernel_config
 from k3.optim import HeadGeometry, PerHeadMuon, build_param_groups
 from k3.train import flops as train_flops
 
@@ -71,24 +69,24 @@ def document_offsets(rows: int, seq_len: int, mean_len: int, seed: int = 0) -> t
     return torch.tensor(cuts, dtype=torch.int32)
 
 
-# (flag, env var read by k3.model.fused, table column) of the regions with a Triton and a torch version
-REGIONS = (("--situ", "K3_SITU", "SiTU"), ("--attnres", "K3_ATTNRES", "AttnRes"), ("--combine", "K3_COMBINE", "combine"),
-           ("--dispatch", "K3_DISPATCH", "dispatch"), ("--route", "K3_ROUTE", "routing"),
-           ("--ce", "K3_CE", "loss"), ("--mlakv", "K3_MLAKV", "MLA k/v"))
+# (flag, KernelConfig field, table column) of the regions with a Triton and a torch version
+REGIONS = (("--situ", "situ", "SiTU"), ("--attnres", "attn_res", "AttnRes"), ("--combine", "moe_combine", "combine"),
+           ("--dispatch", "moe_dispatch", "dispatch"), ("--route", "moe_route", "routing"),
+           ("--ce", "cross_entropy", "loss"), ("--mlakv", "mla_kv", "MLA k/v"))
 
 
 def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: str, accum: int = 1,
-          embed: str = "bf16", regions: dict[str, str] | None = None, doc_mean: int = 0) -> dict:
+          embed: str = "bf16", regions: dict[str, str] | None = None, doc_mean: int = 0,
+          step_weights: bool = True) -> dict:
     """One optimizer step = `accum` forward/backward passes of `tokens` tokens each; embed: the dtype
     the token embeddings enter the residual stream in under autocast ("bf16" = k3's default,
-    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); regions: env var of REGIONS ->
-    "triton" / "inductor" (unset: inductor); doc_mean > 0: documents of random lengths (that mean) in
+    "fp32" = `K3Model.fp32_embeddings`, k3 before 2026-12-01); regions: KernelConfig field of REGIONS ->
+    "triton" / "torch" (unset: torch); doc_mean > 0: documents of random lengths (that mean) in
     the rows."""
     model.set_kda_backend(backend)
-    step_weights = env_flag("K3_BENCH_STEP_WEIGHTS", True)  # 0: autograd's per-micro-batch casts
     model.model.fp32_embeddings = embed == "fp32"
-    regions = {var: (regions or {}).get(var, "inductor") for _, var, _ in REGIONS}
-    os.environ.update(regions)
+    regions = {var: (regions or {}).get(var, "torch") for _, var, _ in REGIONS}
+    set_kernel_config(model, KernelConfig(**regions))
     B = max(1, tokens // seq_len)
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, B * seq_len + 1), device=device)
@@ -141,13 +139,13 @@ def bench(model, opt, seq_len: int, tokens: int, steps: int, device, backend: st
 
 
 def _variants(embed: str, regions: dict[str, str]) -> list[tuple[str, dict[str, str]]]:
-    """The (embeddings dtype, {region env var: implementation}) combinations to time: the first of each
+    """The (embeddings dtype, {KernelConfig field: implementation}) combinations to time: the first of each
     comma-separated list (the default), then each listed alternative alone, then all the regions'
     alternatives together when several regions have one (not the full product: each run costs
     warm-up steps). regions: flag of REGIONS -> its list."""
     lists = {"--embed-dtype": embed.split(",")} | {flag: regions[flag].split(",") for flag, _, _ in REGIONS}
     for flag, values in lists.items():
-        allowed = ("bf16", "fp32") if flag == "--embed-dtype" else ("triton", "inductor")
+        allowed = ("bf16", "fp32") if flag == "--embed-dtype" else ("triton", "torch")
         bad = [v for v in values if v not in allowed]
         if bad:
             raise SystemExit(f"{flag}: expected one of {allowed}, got {bad}")
@@ -176,12 +174,14 @@ def main() -> None:
                     help="comma-separated dtypes of the embeddings in the residual stream under autocast: bf16 (default), fp32")
     for flag, var, col in REGIONS:
         ap.add_argument(flag, default=None,
-                        help=f"comma-separated {col} implementations (env {var}): triton, inductor (the torch "
-                             "regions); default: the model's own choice on this device (k3.model.fused)")
+                        help=f"comma-separated {col} implementations (KernelConfig.{var}): triton, torch (the "
+                             "torch regions); default: the model's own choice on this device (\"auto\")")
     ap.add_argument("--doc-mean", type=int, default=0,
                     help="documents of random lengths with this mean (tokens) packed in the rows, as real corpora "
                          "give (MLA then attends per document; FLOPs counted per document); 0 = one per row")
     ap.add_argument("--compile", action="store_true", help="torch.compile the per-layer elementwise regions")
+    ap.add_argument("--no-step-weights", action="store_true",
+                    help="autograd's per-micro-batch weight casts instead of K3ForCausalLM.step_weights()")
     ap.add_argument("--lr", type=float, default=1e-3,
                     help="optimizer learning rate (0: the weights, so the routing, stay as initialised)")
     ap.add_argument("--compile-backend", default="inductor", help="torch.compile backend (with --compile)")
@@ -206,8 +206,8 @@ def main() -> None:
     print(f"| KDA backend | embeddings | {cols} | documents | T | B | micro-batches | step ms | tokens/s | TFLOP/s "
           "| MFU (790) | MFU (989) | optimizer share | peak GB | speed vs default |")
     print("|---|---|" + "---|" * len(REGIONS) + "---:|" * 12)
-    # the model's own choice per device (k3.model.fused): Triton for the timed-faster regions on CUDA
-    own = {var: "triton" if device.type == "cuda" and var in TRITON_BY_DEFAULT else "inductor" for _, var, _ in REGIONS}
+    # the model's own choice per device ("auto"): Triton for every region when training on CUDA
+    own = {var: "triton" if device.type == "cuda" else "torch" for _, var, _ in REGIONS}
     variants = _variants(args.embed_dtype, {flag: getattr(args, flag[2:]) or own[var] for flag, var, _ in REGIONS})
     runs = [(T, tokens, be, int(a), *v) for T in seq_lens for tokens in token_list for be in backends
             for a in args.accum.split(",") for v in variants]
@@ -215,7 +215,8 @@ def main() -> None:
     for T, tokens, be, accum, res, regions in runs:
         impls = " | ".join(regions[var] for _, var, _ in REGIONS)
         try:
-            r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, regions, args.doc_mean)
+            r = bench(model, opt, T, tokens, args.steps, device, be, accum, res, regions, args.doc_mean,
+                      not args.no_step_weights)
         except Exception as e:  # noqa: BLE001 - one failing variant (e.g. a kernel that does not compile) must not cost the others
             opt.zero_grad(set_to_none=True)
             print(f"| {be} | {res} | {impls} | | {T} | | {accum} | FAILED: {type(e).__name__}: "

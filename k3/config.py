@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from k3.kernel_config import KernelConfig
 from k3.vision_config import VisionConfig, tiny_vision_config  # the typed view; K3Config keeps the raw dict
 
 
@@ -123,6 +124,9 @@ class K3Config:
     dtype: str = "bfloat16"
     model_type: str = "kimi_k3"
     architectures: list[str] = field(default_factory=lambda: ["KimiK3ForConditionalGeneration"])
+    # Which hot regions run Triton kernels (k3.kernel_config); not part of the checkpoint format:
+    # written to config.json only when it differs from the default.
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> "K3Config":
@@ -233,6 +237,11 @@ def _config_from_dict(d: dict[str, Any]) -> K3Config:
     text = TextConfig(**_typed(TextConfig, t_known, "text_config"), linear_attn_config=lin, extra=t_extra)
     top = {k: v for k, v in d.items() if k != "text_config"}
     top_known, top_extra = _split_known(K3Config, top, "config")
+    if "kernels" in top_known:
+        try:
+            top_known["kernels"] = KernelConfig.from_dict(top_known["kernels"])
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
     for k in ("vision_config", "quantization_config"):
         if k in top_known and top_known[k] is not None and not isinstance(top_known[k], dict):
             raise ConfigError(f"config.{k}: expected an object")
@@ -260,6 +269,10 @@ def _config_to_dict(cfg: K3Config) -> dict[str, Any]:
             continue
         v = getattr(cfg, f.name)
         if v is None and f.name in ("vision_config", "quantization_config"):
+            continue
+        if f.name == "kernels":
+            if v != KernelConfig():
+                out["kernels"] = v.to_dict()
             continue
         out[f.name] = copy.deepcopy(v)
     out["text_config"] = t_d

@@ -13,8 +13,8 @@ def test_bench_train_tiny_cpu():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "--tiny", "--device", "cpu", "--steps", "1",
                         "--seq-lens", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    # six region columns (SiTU, AttnRes, combine, dispatch, routing, loss); 4 rows of 64 = 4 documents
-    assert "| torch | bf16 |" + " inductor |" * 7 + " 4 | 64 |" in r.stdout
+    # seven region columns (SiTU, AttnRes, combine, dispatch, routing, loss, MLA k/v); 4 rows of 64 = 4 documents
+    assert "| torch | bf16 |" + " torch |" * 7 + " 4 | 64 |" in r.stdout
 
 
 def test_bench_serve_tiny_decode_cpu():
@@ -34,7 +34,7 @@ def test_bench_mla_decode_cpu():
 
 
 @pytest.mark.parametrize("script,header", [("situ.py", "| routed experts [512, 1024] | k3 triton |"),
-                                           ("attn_res.py", "| 4 x [17, 300] | k3 triton, fused norm |"),
+                                           ("attn_res.py", "| 4 x [17, 300] | k3 triton, then norm |"),
                                            ("moe_combine.py", "| dispatch k3-small 64 x 8 x 512 | k3 triton |"),
                                            ("moe_route.py", "| k3-small 64 x 64 x 8 | both |"),
                                            ("cross_entropy.py", "| k3 fused, chunk 16 |")])

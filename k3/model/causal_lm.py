@@ -12,8 +12,10 @@ import torch
 import torch.nn as nn
 
 from k3.config import K3Config
+from k3.kernel_config import KernelConfig
 from k3.model.cache import HybridCache
 from k3.model.common import KEEP_FP32
+from k3.model.compile import set_kernel_config
 from k3.model.fused import plain_weight
 from k3.model.kda import KDAttention
 from k3.model.model import K3Model, ResVector
@@ -39,7 +41,9 @@ class CausalLMOutput:
 
 
 class K3ForCausalLM(nn.Module):
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, kernels: KernelConfig | None = None) -> None:
+        """kernels: which hot regions run Triton kernels (`k3.kernel_config`); default config.kernels.
+        `k3.model.compile.set_kernel_config` changes it later."""
         super().__init__()
         config.validate()
         self.config = config
@@ -51,6 +55,7 @@ class K3ForCausalLM(nn.Module):
         self.vision: MoonViTEncoder | None = None
         if config.vision_config is not None:
             self.vision = MoonViTEncoder(VisionConfig.from_dict(config.vision_config, text_hidden_size=tc.hidden_size))
+        set_kernel_config(self, config.kernels if kernels is None else KernelConfig.from_dict(kernels))
 
     # ---- forward ---------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
@@ -66,7 +71,7 @@ class K3ForCausalLM(nn.Module):
             of input_ids in row-major order (see `embed_with_media`).
         return_logits: False (with labels) returns logits=None and only the loss, which may then be
             computed without materialising the logits (`Kernels.lm_loss`: the default when training on
-            CUDA, env K3_CE); training loops that read only `.loss` pass False.
+            CUDA, kernels.cross_entropy); training loops that read only `.loss` pass False.
         """
         if not return_logits and labels is None:
             raise ValueError("return_logits=False needs labels: the loss is all the output would hold")

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from k3.kernel_config import KernelConfig
 from k3.model.fused import EAGER, Kernels, uses_kernels
 
 # Distinct (shape, dtype, constant) variants per region: norms see several widths, the AttnRes mix
@@ -50,13 +51,36 @@ def compile_model(model: nn.Module, *, backend: str | Callable = "inductor", mod
     if mode is not None and backend != "inductor":
         raise ValueError(f"mode={mode!r} needs backend='inductor', got backend={backend!r}")
     _raise_recompile_limit()
-    kernels = Kernels(compiled=True, backend=backend, mode=mode, dynamic=dynamic)
+    kernels = Kernels(compiled=True, backend=backend, mode=mode, dynamic=dynamic, config=kernel_config(model))
     return _set_kernels(model, kernels)
 
 
 def uncompile_model(model: nn.Module) -> nn.Module:
-    """Back to the eager kernels (e.g. before serving a model that was trained compiled)."""
-    return _set_kernels(model, EAGER)
+    """Back to the eager kernels (e.g. before serving a model that was trained compiled); the KernelConfig
+    stays."""
+    return _set_kernels(model, EAGER.with_config(kernel_config(model)))
+
+
+def kernel_config(model: nn.Module) -> KernelConfig:
+    """The KernelConfig `model`'s K3 modules run with (the first one's; `set_kernel_config` keeps them equal)."""
+    for m in model.modules():
+        if uses_kernels(m):
+            return m.kernels.config
+    raise ValueError("model: no K3 module with fused kernels found (expected a K3ForCausalLM or part of one)")
+
+
+def set_kernel_config(model: nn.Module, config: KernelConfig) -> nn.Module:
+    """Which regions of `model` run Triton kernels (`k3.kernel_config`), in place, keeping each module's table
+    compiled or eager; returns `model`."""
+    tables: dict[int, Kernels] = {}
+    found = False
+    for m in model.modules():
+        if uses_kernels(m):
+            m.kernels = tables.setdefault(id(m.kernels), m.kernels.with_config(config))
+            found = True
+    if not found:
+        raise ValueError("model: no K3 module with fused kernels found (expected a K3ForCausalLM or part of one)")
+    return model
 
 
 def _set_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:
@@ -70,4 +94,4 @@ def _set_kernels(model: nn.Module, kernels: Kernels) -> nn.Module:
     return model
 
 
-__all__ = ["compile_model", "uncompile_model", "RECOMPILE_LIMIT"]
+__all__ = ["compile_model", "uncompile_model", "kernel_config", "set_kernel_config", "RECOMPILE_LIMIT"]

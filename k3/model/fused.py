@@ -5,9 +5,11 @@ Each region is a pair of pure functions, ``fwd(inputs) -> (output, saved)`` and
 :mod:`k3.model.common` (fp32 where the spec asks for it, same casts). A :class:`Kernels` table
 holds one set of pairs: :data:`EAGER` runs them as ordinary PyTorch; ``Kernels(compiled=True)``
 runs each fwd and each bwd through ``torch.compile`` (inference graphs: Inductor fuses every
-region into one or two kernels, no AOTAutograd partitioning needed). Modules hold a table in their
-``kernels`` attribute (class default :data:`EAGER`); :func:`k3.model.compile.compile_model` swaps
-it for a compiled one.
+region into one or two kernels, no AOTAutograd partitioning needed). A table also carries a
+:class:`k3.kernel_config.KernelConfig`, which picks per region between these torch regions and the
+Triton kernels of `k3.ops`. Modules hold a table in their ``kernels`` attribute (class default
+:data:`EAGER`); `K3ForCausalLM` sets one built from its KernelConfig, and
+:func:`k3.model.compile.compile_model` swaps it for a compiled one with the same KernelConfig.
 
 The saved tensors are the inputs plus small per-row statistics, except for SiTU in eager mode,
 which saves its three fp32 intermediates (recomputing them would cost more eager passes than it
@@ -23,7 +25,7 @@ combine's backward is a gather, not an atomic scatter).
 
 from __future__ import annotations
 
-import os
+import copy
 from typing import Any, Callable
 
 import torch
@@ -32,7 +34,8 @@ from torch import Tensor
 
 from k3.model.step_weights import StepCache, gemm_weight
 from k3.ops.attn_res import MAX_CANDIDATES, attn_res_mix
-from k3.ops.backend import env_flag, triton_runs_on
+from k3.kernel_config import DEFAULT, KernelConfig
+from k3.ops.backend import use_triton
 from k3.ops.cross_entropy import linear_cross_entropy
 from k3.ops.mla_kv import mla_expand_kv, mla_kv_reference
 from k3.ops.moe_combine import moe_combine, moe_dispatch
@@ -370,12 +373,12 @@ def sort_slots(idx: Tensor) -> tuple[Tensor, Tensor]:
     return order, inv
 
 
-def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def route_slots(idx: Tensor, num_experts: int, choice: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     """Expert ids [N, k] int64 -> (order [N*k], inv [N*k], counts [E]) int64: `sort_slots` and the slots
-    per expert. The Triton counting sort of `k3.ops.moe_route` (identical results) when env K3_ROUTE
-    picks it (see `_triton_choice`; the CUDA training default). Neither synchronises with the host, so both
-    run inside CUDA-graph captures; no autograd involved."""
-    if _triton_choice("K3_ROUTE", idx):
+    per expert. The Triton counting sort of `k3.ops.moe_route` (identical results) when `choice` (a
+    KernelConfig value, see `k3.ops.backend.use_triton`) picks it. Neither synchronises with the host, so
+    both run inside CUDA-graph captures; no autograd involved."""
+    if use_triton(choice, idx):
         return sort_slots_triton(idx, num_experts)
     order, inv = sort_slots(idx)
     # not bincount: on CUDA it reads the max id back to the host, which breaks CUDA graph capture
@@ -388,45 +391,27 @@ def route_slots(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
 # the table
 
 
-# regions whose Triton kernels were timed faster than the torch regions in the training step (H200,
-# docs/benchmarks.md)
-TRITON_BY_DEFAULT = ("K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE", "K3_MLAKV")
-
-
 def plain_weight(w: Tensor) -> bool:
     """w is a plain, unsharded tensor (not an FSDP DTensor or another subclass): what the chunked lm_head
     ops (the fused loss, the token log-probs) need; others take the full-logits path."""
     return type(w.data) is torch.Tensor
 
 
-def _triton_choice(var: str, x: Tensor) -> bool:
-    """Env `var` (K3_SITU, K3_ATTNRES, K3_COMBINE, K3_DISPATCH, K3_ROUTE, K3_CE, K3_MLAKV) picks a region's training
-    implementation. Unset: for the regions in TRITON_BY_DEFAULT the Triton kernels of k3.ops on CUDA tensors under
-    autograd (measured faster on an H200, docs/benchmarks.md), else the torch regions (CPU; inference,
-    where serving keeps its compiled graphs). "triton": the kernels, also under the interpreter;
-    "inductor": always the compiled / eager torch regions. Read per call, so bench/train.py compares
-    both in one process."""
-    choice = os.environ.get(var)
-    if choice is None:
-        return var in TRITON_BY_DEFAULT and x.is_cuda and torch.is_grad_enabled()
-    if choice not in ("inductor", "triton"):
-        raise ValueError(f"{var} must be 'inductor' or 'triton', got {choice!r}")
-    return choice == "triton" and triton_runs_on(x)
-
-
 class Kernels:
     """One implementation of every hot region; modules call through their ``kernels`` attribute.
 
     compiled=False: plain PyTorch. compiled=True: each fwd/bwd/plain region wrapped in
-    ``torch.compile(fullgraph=True, backend=backend, mode=mode)``.
+    ``torch.compile(fullgraph=True, backend=backend, mode=mode)``. config: which regions run their
+    Triton kernels instead (`k3.kernel_config`).
     """
 
     def __init__(self, compiled: bool = False, backend: str | Callable = "inductor", mode: str | None = None,
-                 dynamic: bool | None = None) -> None:
+                 dynamic: bool | None = None, config: KernelConfig = DEFAULT) -> None:
         """dynamic: as for torch.compile: None recompiles a region once with dynamic shapes when its shapes
         change (serving: every prefill length differs), False specialises every shape (training: a
         handful of fixed micro-batch / validation shapes, each compiled for its size)."""
         self.compiled = compiled
+        self.config = KernelConfig.from_dict(config)
 
         opts: dict[str, Any] = {"fullgraph": True, "backend": backend}
         if mode is not None:
@@ -449,7 +434,15 @@ class Kernels:
         self.silu_streams, self.cross_entropy = wrap(silu_streams), wrap(cross_entropy)
 
     def __repr__(self) -> str:
-        return f"Kernels(compiled={self.compiled})"
+        return f"Kernels(compiled={self.compiled}, config={self.config})"
+
+    def with_config(self, config: KernelConfig) -> "Kernels":
+        """This table (sharing its compiled regions) with another KernelConfig."""
+        if config == self.config:
+            return self
+        table = copy.copy(self)
+        table.config = KernelConfig.from_dict(config)
+        return table
 
     # -- module-facing API --------------------------------------------------------------------
     def glu(self, a: Tensor, b: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
@@ -461,10 +454,9 @@ class Kernels:
     def glu_packed(self, ab: Tensor, act: str, beta: float, beta_lin: float) -> Tensor:
         """`glu` of gate and up packed as ab = [a | b] ([..., 2I], e.g. one GEMM's output) -> [..., I].
         Its gradient is one [..., 2I] tensor, so the GEMM's backward needs no concatenation.
-        SiTU runs as the Triton kernels of `k3.ops.situ` when training on CUDA (env K3_SITU, see
-        `_triton_choice`)."""
+        SiTU runs as the Triton kernels of `k3.ops.situ` when config.situ picks them."""
         if act == "situ":
-            if _triton_choice("K3_SITU", ab):
+            if use_triton(self.config.situ, ab):
                 return situ_glu(ab, beta, beta_lin)
             return _SiTUPacked.apply(ab, float(beta), float(beta_lin), self)
         a, b = ab.chunk(2, dim=-1)
@@ -481,7 +473,7 @@ class Kernels:
     def attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float,
                  norm: torch.nn.Module | None = None) -> Tensor:
         """Block-AttnRes mix (see k3.model.common.attn_res_mix): the Triton kernels of `k3.ops.attn_res`
-        when training on CUDA, up to MAX_CANDIDATES (env K3_ATTNRES, see `_triton_choice`). norm: an
+        when config.attn_res picks them, up to MAX_CANDIDATES. norm: an
         RMSNorm module applied to the mix (see `_attn_res`)."""
         return self._attn_res(cands, w_norm, w_proj, eps, 0, norm)[0]
 
@@ -499,42 +491,36 @@ class Kernels:
     def _attn_res(self, cands: list[Tensor], w_norm: Tensor, w_proj: Tensor, eps: float, carry: int,
                   norm: torch.nn.Module | None) -> tuple[Tensor, list[Tensor]]:
         """(mix of cands [through norm], cands[:carry] to pass on: pass-through views on the Triton path).
-        norm: a KimiRMSNorm module (`.weight`, `.eps`), called on the mix, so its hooks see it; on the
-        Triton path with env K3_ATTNRES_NORM=1 its maths runs inside the mix's kernels instead
-        (`attn_res_mix(norm_weight=...)`; the module itself is not called then)."""
+        norm: a KimiRMSNorm module, called on the mix (so its hooks see it)."""
         if len(cands) == 1:
             mix, carried = cands[0], cands[:carry]
-        elif len(cands) <= MAX_CANDIDATES and _triton_choice("K3_ATTNRES", cands[-1]):
-            fused = norm is not None and env_flag("K3_ATTNRES_NORM", False)
-            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry, norm_weight=norm.weight if fused else None,
-                               norm_eps=norm.eps if fused else 1e-5)
+        elif len(cands) <= MAX_CANDIDATES and use_triton(self.config.attn_res, cands[-1]):
+            out = attn_res_mix(cands, w_norm, w_proj, eps, carry=carry)
             mix, carried = out if carry else (out, [])
-            if fused:
-                norm = None  # already applied inside the kernels
         else:
             mix, carried = _AttnRes.apply(w_norm, w_proj, float(eps), self, *cands), cands[:carry]
         return (mix if norm is None else norm(mix)), carried
 
     def mla_kv(self, kv: Tensor, k_pe: Tensor, num_heads: int, nope: int, v_dim: int) -> tuple[Tensor, Tensor]:
         """MLA's keys [..., H, nope + rope] and values [..., H, v_dim] from kv_b_proj's output kv [..., H *
-        (nope + v_dim)] and the shared k_pe [..., rope]: the Triton kernels of `k3.ops.mla_kv` when training on
-        CUDA (env K3_MLAKV, see `_triton_choice`: one pass each way, where the split / expand / cat's backward
-        reads the gradients twice), else the spec's torch ops."""
-        if kv.dim() == 3 and _triton_choice("K3_MLAKV", kv):
+        (nope + v_dim)] and the shared k_pe [..., rope]: the Triton kernels of `k3.ops.mla_kv` when config.mla_kv
+        picks them (one pass each way, where the split / expand / cat's backward reads the gradients twice),
+        else the spec's torch ops."""
+        if kv.dim() == 3 and use_triton(self.config.mla_kv, kv):
             return mla_expand_kv(kv, k_pe, num_heads=num_heads, nope=nope, v_dim=v_dim)
         return mla_kv_reference(kv, k_pe, num_heads, nope, v_dim)
 
     def route(self, x: Tensor, weight: Tensor, bias: Tensor, top_k: int, renormalize: bool, scaling: float
               ) -> tuple[Tensor, Tensor, Tensor]:
         """`router_select`: x [N, d] -> (ids [N, k] int64, weights [N, k] fp32, scores [N, E] fp32). The
-        top-k selection (bias added inside) runs as the Triton kernel of `k3.ops.moe_route` when env
-        K3_ROUTE picks it (see `_triton_choice`; the CUDA training default): its rows list the ids by
+        top-k selection (bias added inside) runs as the Triton kernel of `k3.ops.moe_route` when
+        config.moe_route picks it: its rows list the ids by
         descending choice value, where torch.topk(sorted=False) keeps its own order (see
         k3.ops.moe_route: the MoE output differs by fp32 summation order only). On that path a bf16 x gets
         its fp32 logits from bf16 tensor-core GEMMs against the weight split exactly in three bf16 parts
-        (`k3.ops.router`, 7x faster than casting x for an fp32 GEMM; env K3_ROUTER_SPLIT=0: the fp32 GEMM)."""
-        if _triton_choice("K3_ROUTE", x):
-            if x.dtype == torch.bfloat16 and env_flag("K3_ROUTER_SPLIT", True):
+        (`k3.ops.router`, faster than casting x for an fp32 GEMM)."""
+        if use_triton(self.config.moe_route, x):
+            if x.dtype == torch.bfloat16:
                 scores = torch.sigmoid(router_logits(x, weight))  # fp32 logits from bf16 GEMMs: k3.ops.router
             else:
                 scores = self.router_scores(x, weight)
@@ -544,39 +530,39 @@ class Kernels:
 
     def lm_loss(self, h: Tensor, lm_head: torch.nn.Linear, labels: Tensor) -> Tensor:
         """Mean token cross-entropy of lm_head(h) against labels, for callers that need no logits: h [..., d],
-        labels [...] (-100 = ignore) -> 0-dim fp32. When env K3_CE picks it (see `_triton_choice`: the
-        default when training on CUDA) the chunked linear + cross-entropy of `k3.ops.cross_entropy`, which
+        labels [...] (-100 = ignore) -> 0-dim fp32. When config.cross_entropy picks it the chunked
+        linear + cross-entropy of `k3.ops.cross_entropy`, which
         never holds more than one chunk of logits and computes the gradients in its forward (an fp32
         lm_head weight under autocast is cast to the autocast dtype inside and gets an fp32 gradient);
         else the lm_head module and `cross_entropy`, as `K3ForCausalLM.forward` with logits. The fused
-        loss has no bias and needs a plain weight: by default a biased or sharded (FSDP DTensor) lm_head
-        takes the module path; an explicit K3_CE=triton raises instead."""
-        if _triton_choice("K3_CE", h):
+        loss has no bias and needs a plain weight: under "auto" a biased or sharded (FSDP DTensor) lm_head
+        takes the module path; an explicit "triton" raises instead."""
+        choice = self.config.cross_entropy
+        if use_triton(choice, h):
             unfit = None
             if lm_head.bias is not None:
-                unfit = "K3_CE=triton: the fused loss has no lm_head bias"
+                unfit = "kernels.cross_entropy='triton': the fused loss has no lm_head bias"
             elif not plain_weight(lm_head.weight):  # e.g. an FSDP-sharded DTensor
-                unfit = (f"K3_CE=triton needs a plain, unsharded lm_head weight, got "
-                         f"{type(lm_head.weight.data).__name__}; use K3_CE=inductor")
+                unfit = (f"kernels.cross_entropy='triton' needs a plain, unsharded lm_head weight, got "
+                         f"{type(lm_head.weight.data).__name__}; use 'torch' or 'auto'")
             if unfit is None:
                 return linear_cross_entropy(h.reshape(-1, h.shape[-1]), lm_head.weight, labels.reshape(-1))
-            if os.environ.get("K3_CE") == "triton":
+            if choice == "triton":
                 raise ValueError(unfit)
         return self.cross_entropy(lm_head(h), labels)
 
     def dispatch(self, z: Tensor, order: Tensor, inv: Tensor, k: int) -> Tensor:
-        """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env
-        K3_DISPATCH, see `_triton_choice`)."""
-        if _triton_choice("K3_DISPATCH", z):
+        """See :func:`dispatch`. The Triton kernels of `k3.ops.moe_combine` when config.moe_dispatch picks
+        them."""
+        if use_triton(self.config.moe_dispatch, z):
             return moe_dispatch(z, inv, k)
         return _Dispatch.apply(z, order, inv, k, self)
 
     def combine(self, y: Tensor, w: Tensor, order: Tensor, inv: Tensor) -> Tensor:
         """Weighted sum of each token's k expert outputs: y [N*k, L] sorted, w [N, k] fp32 -> [N, L], summed
         in fp32 and cast to y's dtype (the spec: bf16 expert outputs, fp32 weighted sum, cast to bf16).
-        The Triton kernels of `k3.ops.moe_combine` when training on CUDA (env K3_COMBINE, see
-        `_triton_choice`)."""
-        if _triton_choice("K3_COMBINE", y):
+        The Triton kernels of `k3.ops.moe_combine` when config.moe_combine picks them."""
+        if use_triton(self.config.moe_combine, y):
             return moe_combine(y, w, inv)
         return _Combine.apply(y, w, order, inv, self)
 

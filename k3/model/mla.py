@@ -17,7 +17,6 @@ from k3.model.common import RMSNorm, fan_in_linears, linear_residual
 from k3.model.fused import EAGER, Kernels
 from k3.model.segment import SegmentHooks
 from k3.model.step_weights import StepLinear
-from k3.ops.backend import env_flag
 
 MLA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm (everything else uses rms_norm_eps)
 
@@ -103,9 +102,7 @@ class GatedMLA(nn.Module):
     def _fan_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """Training: x's three GEMMs (q / q_a, kv_a, g) as one fan-in (`fan_in_linears`: x's gradient summed
         inside the input-gradient GEMMs); (q [B, T, H, qk], latent [..., kv_lora] normalised, k_pe, gate or
-        None), or None for the plain path (env K3_FANIN=0, no grad, x off the compute dtype)."""
-        if not env_flag("K3_FANIN", True):
-            return None
+        None), or None for the plain path (no grad, x off the compute dtype)."""
         lins = [self._q_first(), self.kv_a_proj_with_mqa] + ([self.g_proj] if self.use_output_gate else [])
         fan = fan_in_linears(x.reshape(-1, x.shape[-1]), [m.gemm_weight() for m in lins])
         if fan is None:

@@ -12,7 +12,7 @@ from k3.model.common import GLUMLP, RMSNorm, fan_in_linears, keep_fp32, linear_r
 from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
 from k3.ops.grouped_gemm import expert_gemm
-from k3.ops.backend import env_flag, triton_runs_on
+from k3.ops.backend import triton_runs_on
 from k3.ops.mxfp4_gemm import mxfp4_grouped_mm
 from k3.quant.mxfp4 import decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
@@ -127,7 +127,7 @@ class RoutedExperts(nn.Module):
         k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""
         k = idx.shape[1]
         E = self.num_experts
-        order, inv, counts = route_slots(idx, E)
+        order, inv, counts = route_slots(idx, E, self.kernels.config.moe_route)
         xs = self.kernels.dispatch(self._transform_input(z), order, inv, k)
         if self.packed and z.is_cuda and z.dtype == torch.bfloat16:
             y = self._packed_cuda(xs, torch.cumsum(counts, 0, dtype=torch.int32))
@@ -141,7 +141,7 @@ class RoutedExperts(nn.Module):
             masters: tuple[tuple[torch.Tensor, ...], ...] = ((), ())
             if torch.is_grad_enabled():
                 w13, w2c, cached = self._train_weights(w1, w3, w2, z.dtype)
-                if cached and triton_runs_on(z) and env_flag("K3_GMM_WGRAD", True):
+                if cached and triton_runs_on(z):
                     # inside step_weights(): the weight gradients go into the fp32 masters' .grad from
                     # the GEMM itself (k3.ops.grouped_gemm), not through the step copies' autograd
                     masters = ((self.w1, self.w3), (self.w2,))
@@ -182,10 +182,9 @@ class RoutedExperts(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """(w13 [E, 2I, L] = [w1; w3] per expert, w2 [E, L, I], cached) in the compute dtype, for the training
         GEMMs. Inside `K3ForCausalLM.step_weights()` (plain fp32 parameters, no weight transform) the step's
-        shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`; k3-small: 553M
-        expert parameters, whose casts and concatenation took ~1.8 ms per 65,536-token micro-batch on an
-        H200), cached=True: the caller may then add the weight gradients into the masters' `.grad` itself
-        (`k3.ops.grouped_gemm.expert_gemm`, K3_GMM_WGRAD=0 turns that off); else cast, then concatenated
+        shared copies with fused gradient accumulation (`k3.model.step_weights.step_weight`: the experts'
+        casts and concatenation once per step, not per micro-batch), cached=True: the caller may then add the weight gradients into the masters' `.grad` itself
+        (`k3.ops.grouped_gemm.expert_gemm`); else cast, then concatenated
         (half the bytes of concatenating the fp32 masters first), cached=False."""
         cache = self.step_cache if self.weight_transform is None else None
         w13 = step_weight(cache, (w1, w3), dtype, dim=1)
@@ -229,10 +228,9 @@ class LatentMoE(nn.Module):
         shared = self.shared_experts
         ab = None
         # training: the down projection and the shared experts' gate|up as one fan-in (x2's three gradients
-        # summed inside the input-gradient GEMMs; env K3_FANIN=0 keeps autograd's adds)
+        # summed inside the input-gradient GEMMs; None off the training path: autograd's adds)
         fan = fan_in_linears(x2, [self.routed_expert_down_proj.gemm_weight()]
-                             + ([shared.gate_up_weight()] if shared is not None else [])
-                             ) if env_flag("K3_FANIN", True) else None
+                             + ([shared.gate_up_weight()] if shared is not None else []))
         if fan is not None:
             x2, z, *ab = fan
         else:

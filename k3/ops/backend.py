@@ -1,7 +1,8 @@
-"""Which backend a kernel call takes, and the integer / on-off knobs that tune kernels.
+"""Which backend a kernel call takes: Triton (CUDA, or the interpreter) or torch.
 
 Importable without Triton (the model imports it to choose between its Triton and PyTorch paths);
-the Triton helpers themselves live in `k3.ops.triton_utils`.
+the Triton helpers themselves live in `k3.ops.triton_utils`. The choices themselves are typed
+(`k3.kernel_config.KernelConfig`); the only environment read is Triton's own TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -17,39 +18,13 @@ def triton_runs_on(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def env_int(var: str, default: int, *, pow2: bool = False) -> int:
-    """Env `var` as a positive integer knob (a tile, a warp count, a pipeline depth), read per call so a
-    benchmark can sweep it in one process: unset -> default; a value that is not a positive integer (or,
-    with pow2, not a power of two) raises, naming the variable."""
-    raw = os.environ.get(var)
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{var} must be an integer, got {raw!r}") from None
-    if v < 1 or (pow2 and v & (v - 1)):
-        raise ValueError(f"{var} must be a positive {'power of two' if pow2 else 'integer'}, got {v}")
-    return v
-
-
-def env_int_opt(var: str, *, pow2: bool = False) -> int | None:
-    """An optional integer knob: None when env `var` is unset or empty, else `env_int`'s strict value."""
-    return env_int(var, 1, pow2=pow2) if os.environ.get(var) else None
-
-
-def env_tile(prefix: str, names: tuple[str, ...], defaults: tuple[int, ...]) -> tuple[int, ...]:
-    """Program-tile sizes: `defaults`, each overridden by env `{prefix}_{name}` (read per call, so a
-    benchmark can sweep them in one process); every value must be a power of two."""
-    return tuple(env_int(f"{prefix}_{name}", default, pow2=True) for name, default in zip(names, defaults))
-
-
-def env_flag(var: str, default: bool) -> bool:
-    """Env `var` as a switch, read per call: unset -> default, "1" / "0" -> on / off; anything else raises
-    (a mistyped value must not silently pick a kernel variant)."""
-    value = os.environ.get(var)
-    if value is None:
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{var} must be '0' or '1', got {value!r}")
-    return value == "1"
+def use_triton(choice: str, x: torch.Tensor) -> bool:
+    """Whether a region with `choice` ("auto" / "triton" / "torch", see `k3.kernel_config`) runs its Triton
+    kernels on x: "auto" for CUDA tensors under autograd (training), "triton" wherever Triton runs."""
+    if choice == "auto":
+        return x.is_cuda and torch.is_grad_enabled()
+    if choice == "triton":
+        return triton_runs_on(x)
+    if choice == "torch":
+        return False
+    raise ValueError(f"kernel choice must be 'auto', 'triton' or 'torch', got {choice!r}")

@@ -2,8 +2,7 @@
 
 Under Triton's CPU interpreter (how CI runs the kernels) fp32 -> bf16 conversions truncate, where
 the GPU rounds to nearest even; `cvt` rounds under the interpreter too, so CI sees the GPU's bits.
-The knobs (`env_tile` / `env_int` / `env_int_opt` / `env_flag`) and `triton_runs_on` live in the Triton-free
-`k3.ops.backend` (importable without Triton).
+`triton_runs_on` / `use_triton` live in the Triton-free `k3.ops.backend` (importable without Triton).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ quintic steps) with no per-step cat; gradients arrive with one ``_foreach_copy_`
 and the update go out with ``_foreach_mul_`` / ``_foreach_add_``. ``cols`` blocks are stored as row
 blocks of the transposed parameter (NS(X^T) = NS(X)^T, exactly what Newton-Schulz does to tall
 blocks anyway), so every block is a contiguous slice. With a bf16 Newton-Schulz on Triton-capable
-tensors (CUDA; ``K3_MUON_FUSED=0`` turns it off) the elementwise work around Newton-Schulz is two Triton
+tensors (CUDA; ``PerHeadMuon(fused=False)`` turns it off) the elementwise work around Newton-Schulz is two Triton
 kernels (:mod:`k3.optim.muon_kernels`): momentum + Nesterov + cast + norm partials in one pass, and
 decay + update from the bf16 result in one pass per (group, dtype). AdamW uses ``torch._foreach_*`` too. Sharded
 (DTensor) parameters take the per-parameter path through the ``_full``/``_apply_delta``/``_local``
@@ -310,6 +310,8 @@ class PerHeadMuon(torch.optim.Optimizer):
     Defaults: lr (Muon and AdamW unless the group overrides), weight_decay (decoupled:
     p *= 1 - lr*wd), momentum / nesterov / ns_steps / ns_coefficients / eps (Muon), betas /
     adam_eps (AdamW), ns_dtype ("auto": bf16 on CUDA, fp32 on CPU; or "float32"/"bfloat16").
+    fused: a bf16 / fp16 Newton-Schulz on tensors Triton runs on does its elementwise work in the Triton
+    kernels of k3.optim.muon_kernels (False: torch ops; `KernelConfig.muon_fused`).
     Parameters may be fp32 or bf16; optimizer state is fp32.
     """
 
@@ -326,7 +328,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         adam_eps: float = 1e-8,
         ns_dtype: str = "auto",
+        fused: bool = True,
     ) -> None:
+        self.fused = fused
         if lr < 0:
             raise ValueError(f"lr: must be >= 0, got {lr}")
         if weight_decay < 0:
@@ -466,15 +470,14 @@ class PerHeadMuon(torch.optim.Optimizer):
                 _decay(params, 1 - lr * wd)
             _foreach_by_layout(torch._foreach_add_, params, deltas, alpha=-lr * scale)
 
-    @staticmethod
-    def _fused_step(b: _Bucket) -> bool:
+    def _fused_step(self, b: _Bucket) -> bool:
         """Whether the bucket takes the Triton path: bf16 / fp16 Newton-Schulz ('auto' on CUDA) on tensors
-        Triton runs on, unless K3_MUON_FUSED=0 (fp32 NS, CPU's 'auto', keeps the torch path)."""
+        Triton runs on, unless fused=False (fp32 NS, CPU's 'auto', keeps the torch path)."""
         if b.key[2] not in (torch.bfloat16, torch.float16):
             return False
-        from k3.ops.backend import env_flag, triton_runs_on
+        from k3.ops.backend import triton_runs_on
 
-        return env_flag("K3_MUON_FUSED", True) and triton_runs_on(b.mom)
+        return self.fused and triton_runs_on(b.mom)
 
     @staticmethod
     def _fused_normalised(b: _Bucket) -> Tensor:

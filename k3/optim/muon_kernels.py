@@ -30,13 +30,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3.ops.backend import env_int
 from k3.ops.triton_utils import cvt
 
 __all__ = ["muon_prep", "FlatUpdate", "plan_flat_update", "plan_bucket_update", "apply_flat_update", "update_block"]
 
 _NS_DTYPES = (torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Elements per program of the two passes (powers of two; tests set smaller ones): large enough that a
+# program streams several KB per operand, small enough to fill every SM with k3-small's buckets.
+PREP_BLOCK = 4096
+UPDATE_BLOCK = 4096
 _TABLE_COLS = 3  # per program: parameter element offset (from the anchor), stack element offset, count
 
 
@@ -88,8 +91,8 @@ def muon_prep(grad: Tensor, mom: Tensor, momentum: float, nesterov: bool, dtype:
         momentum: mu in [0, 1).
         nesterov: U = lerp(grad, mom, mu) (bit-identical to torch's lerp) if True, else U = mom.
         dtype: the Newton-Schulz dtype, bf16 or fp16 (U is rounded to nearest even).
-        block: elements per program (a power of two; default env K3_MUON_PREP_BLOCK or 4096, capped at
-            the block size); tests pass small values.
+        block: elements per program (a power of two; default PREP_BLOCK, capped at the block size); tests
+            pass small values.
     Returns:
         (U [B, m, n] in ``dtype``, sumsq [B] fp32): sumsq[b] = sum of U[b]'s squares (of the rounded values,
         in fp32) -- per-program partial sums added in a fixed order, so deterministic; it equals torch's
@@ -106,7 +109,7 @@ def muon_prep(grad: Tensor, mom: Tensor, momentum: float, nesterov: bool, dtype:
         raise ValueError("muon_prep: grad and mom must be contiguous")
     nb, m, n = grad.shape
     mn = m * n
-    bs = min(block or env_int("K3_MUON_PREP_BLOCK", 4096, pow2=True), triton.next_power_of_2(mn))
+    bs = min(block or PREP_BLOCK, triton.next_power_of_2(mn))
     if bs & (bs - 1):
         raise ValueError(f"muon_prep: block must be a power of two, got {bs}")
     chunks = triton.cdiv(mn, bs)
@@ -160,9 +163,8 @@ def _update_kernel(P0, O, T, decay, alpha, BLOCK: tl.constexpr, VEC: tl.constexp
 
 
 def update_block(block: int | None = None) -> int:
-    """Elements per update program: ``block`` if given, else env K3_MUON_UPDATE_BLOCK (read per call) or 4096;
-    a power of two."""
-    bs = block or env_int("K3_MUON_UPDATE_BLOCK", 4096, pow2=True)
+    """Elements per update program: ``block`` if given, else UPDATE_BLOCK; a power of two."""
+    bs = block or UPDATE_BLOCK
     if bs < 1 or bs & (bs - 1):
         raise ValueError(f"update block must be a power of two, got {bs}")
     return bs
@@ -187,8 +189,8 @@ def plan_flat_update(params: list[Tensor], starts: list[int], block: int | None 
         params: non-empty list of contiguous parameters of one dtype (fp32 / bf16 / fp16) on one device.
         starts: element offset in the (contiguous) orthogonalised stack where each parameter's values
             begin, in the parameter's row-major order.
-        block: elements per program (power of two; default env K3_MUON_UPDATE_BLOCK or 4096, capped at
-            the largest parameter).
+        block: elements per program (power of two; default UPDATE_BLOCK, capped at the largest
+            parameter).
     The table holds raw address differences: it is valid while the parameters keep their storage (the
     optimizer rebuilds it when a data_ptr changes).
     """

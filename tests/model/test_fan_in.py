@@ -61,9 +61,11 @@ def test_fan_in_declines_without_grad_or_off_dtype():
     assert fan_in_linears(x.unsqueeze(0), [w]) is None
 
 
-def test_fan_in_switch_same_loss_and_grads(monkeypatch):
-    """k3-tiny (LatentMoE and MLA layers) with K3_FANIN=0 (autograd's adds) and the default fan-in: same
-    loss, gradients within fp32 summation order."""
+def test_fan_in_same_loss_and_grads_as_autograd_adds(monkeypatch):
+    """k3-tiny (LatentMoE and MLA layers) with the fan-in turned off (the layers' plain path: autograd's
+    adds) and on: same loss, gradients within fp32 summation order."""
+    import k3.model.mla as mla_mod
+    import k3.model.moe as moe_mod
     from k3.config import k3_tiny
     from k3.model.causal_lm import K3ForCausalLM
 
@@ -71,7 +73,8 @@ def test_fan_in_switch_same_loss_and_grads(monkeypatch):
     ids = torch.randint(0, 4096, (1, 33))
 
     def run(flag: str):
-        monkeypatch.setenv("K3_FANIN", flag)
+        for mod in (mla_mod, moe_mod):
+            monkeypatch.setattr(mod, "fan_in_linears", fan_in_linears if flag == "1" else lambda x, ws: None)
         model.zero_grad(set_to_none=True)
         loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.config import k3_tiny
+from k3.kernel_config import KernelConfig
 from k3.model.cache import SeqLayout
 from k3.model.common import attn_res_mix, rms_norm, situ_glu
 from k3.model.fused import EAGER, Kernels, dispatch, linear_multi, sort_slots
@@ -87,21 +88,20 @@ def test_glu_packed_matches_reference(kern, dtype, act):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_glu_packed_triton_switch(monkeypatch, dtype):
-    """K3_SITU=triton: the Triton SiTU kernels (k3.ops.situ; the interpreter without CUDA) behind the same
-    call, same values and gradient layout; an unknown choice is an error."""
-    monkeypatch.setenv("K3_SITU", "triton")
+    """kernels.situ="triton": the Triton SiTU kernels (k3.ops.situ; the interpreter without CUDA) behind the
+    same call, same values and gradient layout; an unknown choice is an error."""
+    kern = EAGER.with_config(KernelConfig(situ="triton"))
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ab = (torch.randn(3, 37, 2 * 19) * 6).to(dev, dtype)
-    out = EAGER.glu_packed(ab.requires_grad_(), "situ", 4.0, 25.0)
+    out = kern.glu_packed(ab.requires_grad_(), "situ", 4.0, 25.0)
     assert "SiTUGLU" in type(out.grad_fn.next_functions[0][0]).__name__  # under the reshape to [..., I]
     ab = ab.detach()
-    _check(lambda ab: EAGER.glu_packed(ab, "situ", 4.0, 25.0),
+    _check(lambda ab: kern.glu_packed(ab, "situ", 4.0, 25.0),
            lambda ab: situ_glu(*ab.chunk(2, dim=-1), 4.0, 25.0), [ab], dtype)
-    monkeypatch.setenv("K3_SITU", "cuda")
-    with pytest.raises(ValueError, match="K3_SITU"):
-        EAGER.glu_packed(ab, "situ", 4.0, 25.0)
+    with pytest.raises(ValueError, match="kernels.situ='cuda'"):
+        KernelConfig(situ="cuda")
 
 
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -149,27 +149,28 @@ def test_attn_res_mix_matches_reference(n, dtype):
 
 
 def test_attn_res_triton_switch(monkeypatch):
-    """K3_ATTNRES=triton: the Triton AttnRes kernels (k3.ops.attn_res) behind the same call."""
-    monkeypatch.setenv("K3_ATTNRES", "triton")
+    """kernels.attn_res="triton": the Triton AttnRes kernels (k3.ops.attn_res) behind the same call."""
+    kern = EAGER.with_config(KernelConfig(attn_res="triton"))
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cands = [(torch.randn(2, 6, 40) * s).to(dev) for s in (1.0, 3.0, 0.2)]
     wn, wp = (torch.rand(40) + 0.5).to(dev), torch.randn(1, 40).to(dev)
-    out = EAGER.attn_res([c.requires_grad_() for c in cands], wn, wp, 1e-5)
+    out = kern.attn_res([c.requires_grad_() for c in cands], wn, wp, 1e-5)
     assert type(out.grad_fn).__name__.startswith("AttnResMix")
 
     def ref(wn, wp, *c):
         return attn_res_mix(list(c), wn, wp, 1e-5)
 
-    _check(lambda wn, wp, *c: EAGER.attn_res(list(c), wn, wp, 1e-5), ref,
+    _check(lambda wn, wp, *c: kern.attn_res(list(c), wn, wp, 1e-5), ref,
            [wn, wp, *[c.detach() for c in cands]], torch.float32, reduced=(0, 1))
 
 
 def test_model_with_the_triton_regions_matches_default(monkeypatch):
-    """k3-tiny loss and every parameter gradient with K3_SITU, K3_ATTNRES and K3_COMBINE = triton (the
+    """k3-tiny loss and every parameter gradient with kernels situ, attn_res and moe_combine = "triton" (the
     Triton kernels; the interpreter without CUDA) equal the torch regions' in fp32."""
     from k3.model.causal_lm import K3ForCausalLM
+    from k3.model.compile import set_kernel_config
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -188,11 +189,9 @@ def test_model_with_the_triton_regions_matches_default(monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    for var in ("K3_SITU", "K3_ATTNRES", "K3_COMBINE"):
-        monkeypatch.setenv(var, "inductor")
+    set_kernel_config(model, KernelConfig(situ="torch", attn_res="torch", moe_combine="torch"))
     loss0, g0 = run()
-    for var in ("K3_SITU", "K3_ATTNRES", "K3_COMBINE"):
-        monkeypatch.setenv(var, "triton")
+    set_kernel_config(model, KernelConfig(situ="triton", attn_res="triton", moe_combine="triton"))
     loss1, g1 = run()
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
     assert g1.keys() == g0.keys()
@@ -392,41 +391,33 @@ def _autocast(fn):
 
 
 def test_triton_regions_are_the_cuda_training_default(monkeypatch):
-    """Unset K3_SITU / K3_ATTNRES / K3_COMBINE / K3_DISPATCH / K3_ROUTE / K3_CE / K3_MLAKV: the Triton kernels for CUDA tensors under autograd (timed
-    faster on an H200), the torch regions on CPU and in inference; the env forces either side."""
+    """Every region's default "auto": the Triton kernels for CUDA tensors under autograd (timed faster on an
+    H200), the torch regions on CPU and in inference; "torch" / "triton" force either side."""
     from types import SimpleNamespace
 
-    from k3.model.fused import TRITON_BY_DEFAULT, _triton_choice
+    from k3.ops.backend import use_triton
 
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    assert set(TRITON_BY_DEFAULT) == {"K3_SITU", "K3_ATTNRES", "K3_COMBINE", "K3_DISPATCH", "K3_ROUTE", "K3_CE", "K3_MLAKV"}
-    for var in TRITON_BY_DEFAULT:
-        monkeypatch.delenv(var, raising=False)
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-        assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)
-        with torch.no_grad():
-            assert not _triton_choice(var, cuda)
-        monkeypatch.setenv(var, "inductor")
-        assert not _triton_choice(var, cuda)
-        monkeypatch.setenv(var, "triton")
-        assert _triton_choice(var, cuda) and not _triton_choice(var, cpu)
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert _triton_choice(var, cpu)
+    assert set(KernelConfig().to_dict().values()) == {"auto"}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert use_triton("auto", cuda) and not use_triton("auto", cpu)
+    with torch.no_grad():
+        assert not use_triton("auto", cuda)
+    assert not use_triton("torch", cuda)
+    assert use_triton("triton", cuda) and not use_triton("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton("triton", cpu)
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'torch'"):
+        use_triton("inductor", cuda)
 
 
-def test_switch_env_values(monkeypatch):
-    """On / off switches (K3_ATTNRES_NORM, the KDA kernels' K3_KDA_* switches) take "0" or "1"; anything
-    else is a clear error, also where a kernel reads it."""
-    from k3.ops.backend import env_flag
-    from k3.ops.kda.chunk import _flag
-
-    monkeypatch.delenv("K3_ATTNRES_NORM", raising=False)
-    assert env_flag("K3_ATTNRES_NORM", False) is False
-    monkeypatch.setenv("K3_ATTNRES_NORM", "1")
-    assert env_flag("K3_ATTNRES_NORM", False) is True
-    monkeypatch.setenv("K3_ATTNRES_NORM", "yes")
-    with pytest.raises(ValueError, match="K3_ATTNRES_NORM must be '0' or '1'"):
-        env_flag("K3_ATTNRES_NORM", False)
-    monkeypatch.setenv("K3_KDA_CUMDOT", "true")
-    with pytest.raises(ValueError, match="K3_KDA_CUMDOT must be '0' or '1'"):
-        _flag("CUMDOT", True)
+def test_kernel_config_parsing():
+    """KernelConfig.from_dict: missing regions keep "auto"; unknown regions and values are clear errors."""
+    assert KernelConfig.from_dict({"situ": "torch"}) == KernelConfig(situ="torch")
+    assert KernelConfig.from_dict(None) == KernelConfig()
+    with pytest.raises(ValueError, match="unknown regions"):
+        KernelConfig.from_dict({"sitx": "torch"})
+    with pytest.raises(ValueError, match="kernels.ce='fast'|unknown regions"):
+        KernelConfig.from_dict({"ce": "fast"})
+    with pytest.raises(ValueError, match="must be one of"):
+        KernelConfig.from_dict({"moe_route": "inductor"})

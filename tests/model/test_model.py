@@ -210,8 +210,7 @@ def test_input_validation(model):
 
 def test_norm_modules_are_called(model):
     """The layers' RMSNorm modules run as modules (forward hooks see their inputs and outputs), also now
-    that the AttnRes mix hands its output to them (the fused kernels apply them only with
-    K3_ATTNRES_NORM=1 on the Triton path)."""
+    that the AttnRes mix hands its output to them."""
     seen = []
     layer = model.model.layers[1]
     hooks = [m.register_forward_hook(lambda mod, inp, out, name=name: seen.append(name))

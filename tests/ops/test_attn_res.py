@@ -91,49 +91,11 @@ def test_bad_input():
         attn_res_mix(cands, w_norm, w_proj, 1e-5, carry=len(cands) + 1)
 
 
-def _mix_then_norm(cands, w_norm, w_proj, ln_w, eps=1e-5):
-    """The unfused model maths: the mix (reference loops), then KimiRMSNorm (k3.model.common)."""
-    from k3.model.common import rms_norm
-
-    return rms_norm(attn_res_reference(cands, w_norm, w_proj, eps), ln_w, eps)
-
-
-@pytest.mark.parametrize("dtype,shape,bd", [(torch.float32, (13, 96), None), (torch.float32, (2, 7, 300), 64),
-                                            (torch.bfloat16, (33, 128), None), (torch.bfloat16, (5, 200), 64)])
-def test_fused_output_norm(monkeypatch, dtype, shape, bd):
-    """norm_weight: the mix through KimiRMSNorm in the same kernels, output and every gradient (the
-    candidates, both AttnRes weights, the norm weight) against the unfused maths in float64 and in the
-    input dtype (autograd through the torch norm); bd: column blocks narrower than d (the norm's row
-    statistics then span several blocks)."""
-    if bd:
-        monkeypatch.setenv("K3_ATTNRES_BD", str(bd))
-    cands, w_norm, w_proj = _case(3, shape, [dtype], seed=5)
-    ln_w = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(6)) + 0.5).to(DEV)
-    go = torch.randn(shape, generator=torch.Generator().manual_seed(7)).to(DEV)
-    leaves = [t.detach().requires_grad_() for t in (*cands, w_norm, w_proj, ln_w)]
-    out = attn_res_mix(leaves[:3], leaves[3], leaves[4], 1e-5, norm_weight=leaves[5], norm_eps=1e-5)
-    out.backward(go.to(out.dtype))
-    assert out.dtype == dtype and out.shape == cands[-1].shape
-    for wide in (torch.float64, dtype):  # the float64 spec, then the unfused path in the same dtype
-        refs = [t.detach().to(wide if t.dtype == dtype else torch.float64 if wide == torch.float64 else t.dtype)
-                .requires_grad_() for t in leaves]
-        ref = _mix_then_norm(refs[:3], refs[3], refs[4], refs[5])
-        ref.backward(go.to(ref.dtype))
-        # the output is rounded three times (mix, normalised value, weighted value): up to three half-ulps
-        # of bf16 (2^-8 relative each) from float64; the unfused path may round the mix one ulp apart
-        ftol, gtol = (3 * 2 ** -8, TOL[dtype][1]) if dtype == torch.bfloat16 else TOL[dtype]
-        err = (out.double() - ref.double()).abs().max() / ref.double().abs().max()
-        assert err <= ftol, (wide, err.item())
-        for leaf, r in zip(leaves, refs):
-            assert leaf.grad.dtype == leaf.dtype
-            err = (leaf.grad.double() - r.grad.double()).abs().max() / r.grad.double().abs().max()
-            assert err <= gtol, (wide, leaf.shape, err.item())
-
-
-def test_fused_output_norm_bad_weight():
-    cands, w_norm, w_proj = _case(2, (4, 32), [torch.float32])
-    with pytest.raises(ValueError, match="norm_weight"):
-        attn_res_mix(cands, w_norm, w_proj, 1e-5, norm_weight=torch.ones(31, device=DEV))
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (2, 7, 300)), (torch.bfloat16, (5, 200))])
+def test_column_blocks_narrower_than_d(monkeypatch, dtype, shape):
+    """Programs of 64 columns (TILE set narrower than d): the row statistics span several column blocks."""
+    monkeypatch.setattr("k3.ops.attn_res.triton_attn_res.TILE", (2, 64, 4))
+    _compare(*_case(3, shape, [dtype], seed=5), TOL[dtype])
 
 
 def _chain(mix, bank, prefixes, weights, carry, carry_prefix=False):
@@ -186,11 +148,12 @@ def test_carried_bank_gradients_sum_in_the_kernel(dtype, carry_prefix):
 
 def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
     """A k3-tiny forward/backward with the Triton AttnRes path (bank passed through the mixes), with and
-    without activation checkpointing, and with the layers' and the output's RMSNorms inside the mix
-    kernels (K3_ATTNRES_NORM=1), gives the loss and gradients of the torch regions (fp32, interpreter on
-    the CPU)."""
+    without activation checkpointing, gives the loss and gradients of the torch regions (fp32, interpreter
+    on the CPU)."""
     from k3.config import get_preset
+    from k3.kernel_config import KernelConfig
     from k3.model.causal_lm import K3ForCausalLM
+    from k3.model.compile import set_kernel_config
 
     torch.manual_seed(0)
     cfg = get_preset("k3-tiny")
@@ -201,17 +164,15 @@ def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
     ids = torch.randint(0, cfg.text_config.vocab_size, (1, 24), device=DEV)
     grads = {}
     model.train()
-    for choice, ckpt, fuse in (("triton", False, "0"), ("inductor", False, "1"), ("triton", True, "0"),
-                               ("triton", False, "1")):
-        monkeypatch.setenv("K3_ATTNRES", choice)
-        monkeypatch.setenv("K3_ATTNRES_NORM", fuse)
+    for choice, ckpt in (("triton", False), ("torch", False), ("triton", True)):
+        set_kernel_config(model, KernelConfig(attn_res=choice))
         model.model.gradient_checkpointing = ckpt  # the carried views also cross checkpointed layers
         model.zero_grad()
         loss = model(ids, labels=ids).loss
         loss.backward()
-        grads[choice, ckpt, fuse] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+        grads[choice, ckpt] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                if p.grad is not None})
-    lb, gb = grads["inductor", False, "1"]  # the torch regions never fuse the norm
+    lb, gb = grads["torch", False]
     for key in (k for k in grads if k[0] == "triton"):
         la, ga = grads[key]
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
@@ -225,9 +186,3 @@ def test_model_bank_chain_matches_the_torch_regions(monkeypatch):
 def test_gpu_large_bf16():
     """k3-small's widest mix at 64K tokens: 4 candidates [65536, 1024] bf16."""
     _compare(*_case(4, (65536, 1024), [torch.bfloat16], seed=2), TOL[torch.bfloat16])
-
-
-@pytest.mark.gpu
-def test_gpu_large_bf16_with_norm(monkeypatch):
-    """The same mix with the layer's RMSNorm inside the kernels, against float64 and the unfused path."""
-    test_fused_output_norm(monkeypatch, torch.bfloat16, (65536, 1024), None)

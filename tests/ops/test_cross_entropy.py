@@ -1,7 +1,7 @@
 """Fused linear + cross-entropy (k3.ops.cross_entropy) against the float64 spec and the model's torch path.
 
 Without CUDA the kernel runs under TRITON_INTERPRET=1 on small shapes (CI), with a small vocabulary block
-(env K3_CE_BV) so rows span several blocks and end in a partial one; on a GPU the same tests plus a
+(the module constant triton_ce.TILE, set by the tests) so rows span several blocks and end in a partial one; on a GPU the same tests plus a
 k3-small-sized case marked `gpu`.
 """
 
@@ -53,7 +53,7 @@ def _rel(got, want):
 ])
 def test_fp32_against_float64(N, d, V, chunk, bv, monkeypatch):
     """Loss, dh and dW within fp32 rounding of the float64 spec (autograd through it)."""
-    monkeypatch.setenv("K3_CE_BV", str(bv))
+    monkeypatch.setattr("k3.ops.cross_entropy.triton_ce.TILE", (bv, 8))
     h, w, labels = _inputs(N, d, V, torch.float32)
     loss, gh, gw = _run(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_rows=chunk), h, w, labels)
     ref, rh, rw = _run(linear_cross_entropy_reference, h.double(), w.double(), labels)
@@ -70,7 +70,7 @@ def test_bf16_against_float64_and_the_torch_path(chunk, monkeypatch):
     their largest entry. Against the model's torch path (bf16 GEMM, fp32 cross-entropy, autograd) the
     loss and dh agree to one bf16 rounding (identical bf16 gradient of the logits); dW is each chunk's
     bf16 GEMM summed in fp32, then rounded to bf16: within 4 bf16 ulps of its largest entry."""
-    monkeypatch.setenv("K3_CE_BV", "32")
+    monkeypatch.setattr("k3.ops.cross_entropy.triton_ce.TILE", (32, 8))
     h, w, labels = _inputs(45, 32, 100, torch.bfloat16, seed=1, ignore_every=7)
     loss, gh, gw = _run(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_rows=chunk), h, w, labels)
     ref, rh, rw = _run(linear_cross_entropy_reference, h.double(), w.double(), labels)
@@ -172,9 +172,12 @@ def _tiny_model():
 
 
 def test_model_loss_only_path_matches_default(monkeypatch):
-    """k3-tiny fp32: return_logits=False with K3_CE=triton (the interpreter without CUDA) gives the default
-    path's loss and every parameter gradient (fp32 GEMMs, fp32 softmax: rounding-level differences);
-    logits is None. K3_CE=inductor with return_logits=False is today's computation, bit for bit."""
+    """k3-tiny fp32: return_logits=False with kernels.cross_entropy="triton" (the interpreter without CUDA)
+    gives the default path's loss and every parameter gradient (fp32 GEMMs, fp32 softmax: rounding-level
+    differences); logits is None. "torch" with return_logits=False is the logits path's computation, bit for bit."""
+    from k3.kernel_config import KernelConfig
+    from k3.model.compile import set_kernel_config
+
     model = _tiny_model()
     ids = torch.randint(0, model.config.text_config.vocab_size, (1, 40), device=DEV)
     labels = ids[:, 1:].clone()
@@ -187,12 +190,12 @@ def test_model_loss_only_path_matches_default(monkeypatch):
         out.loss.backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    monkeypatch.setenv("K3_CE", "inductor")
+    set_kernel_config(model, KernelConfig(cross_entropy="torch"))
     out0, g0 = run()
     out1, g1 = run(return_logits=False)
     assert out0.logits is not None and out1.logits is None
     assert torch.equal(out0.loss, out1.loss) and all(torch.equal(g0[n], g1[n]) for n in g0)
-    monkeypatch.setenv("K3_CE", "triton")
+    set_kernel_config(model, KernelConfig(cross_entropy="triton"))
     out2, g2 = run(return_logits=False)
     assert out2.logits is None and type(out2.loss.grad_fn).__name__.startswith("LinearCrossEntropy")
     torch.testing.assert_close(out2.loss, out0.loss, rtol=1e-6, atol=0.0)
@@ -204,11 +207,12 @@ def test_model_loss_only_path_matches_default(monkeypatch):
 
 
 def test_lm_loss_refuses_what_the_fused_path_cannot_take(monkeypatch):
-    """K3_CE=triton with an lm_head bias, or a weight held as a tensor subclass (an FSDP-sharded
-    DTensor): a clear error naming the switch, not a wrong loss."""
-    from k3.model.fused import EAGER
+    """kernels.cross_entropy="triton" with an lm_head bias, or a weight held as a tensor subclass (an
+    FSDP-sharded DTensor): a clear error naming the choice, not a wrong loss."""
+    from k3.kernel_config import KernelConfig
+    from k3.model.fused import EAGER as PLAIN
 
-    monkeypatch.setenv("K3_CE", "triton")
+    EAGER = PLAIN.with_config(KernelConfig(cross_entropy="triton"))
     h, labels = torch.randn(2, 3, 8, device=DEV), torch.zeros(2, 3, dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match="bias"):
         EAGER.lm_loss(h, torch.nn.Linear(8, 16, bias=True).to(DEV), labels)
@@ -223,13 +227,13 @@ def test_lm_loss_refuses_what_the_fused_path_cannot_take(monkeypatch):
 
 
 def test_lm_loss_default_falls_back_for_what_the_fused_path_cannot_take(monkeypatch):
-    """K3_CE unset (the fused loss is the default on CUDA training): a biased or sharded lm_head takes the
-    module path (lm_head(h) then cross-entropy) instead of raising, so FSDP training keeps working."""
+    """kernels.cross_entropy="auto" (the fused loss is the default on CUDA training): a biased or sharded
+    lm_head takes the module path (lm_head(h) then cross-entropy) instead of raising, so FSDP training
+    keeps working."""
     from k3.model import fused
     from k3.model.fused import EAGER
 
-    monkeypatch.delenv("K3_CE", raising=False)
-    monkeypatch.setattr(fused, "_triton_choice", lambda var, x: var == "K3_CE")  # as on a CUDA tensor
+    monkeypatch.setattr(fused, "use_triton", lambda choice, x: choice == "auto")  # as on a CUDA tensor
     h, labels = torch.randn(2, 3, 8, device=DEV), torch.randint(0, 16, (2, 3), device=DEV)
     head = torch.nn.Linear(8, 16, bias=True).to(DEV)
     want = torch.nn.functional.cross_entropy(head(h).float().reshape(-1, 16), labels.reshape(-1))

@@ -33,9 +33,7 @@ def _offs(counts: list[int]) -> torch.Tensor:
 def test_wgrad_kernel_against_spec(counts, M, N, split, accumulate, monkeypatch):
     """fp32 operands: the kernel's per-expert a^T b within fp32 rounding of the float64 loop; with
     accumulate the old contents are added, without it they are overwritten (stale values must vanish)."""
-    monkeypatch.setenv("K3_GMMW_BM", "16")
-    monkeypatch.setenv("K3_GMMW_BN", "16")
-    monkeypatch.setenv("K3_GMMW_BK", "16")
+    monkeypatch.setattr("k3.ops.grouped_gemm.triton_gmm.WGRAD_TILE", (16, 16, 16))
     g = torch.Generator().manual_seed(1)
     offs = _offs(counts)
     S = sum(counts)
@@ -73,7 +71,7 @@ def _expert_case(dtype, counts=(9, 0, 17, 30), K=32, N1=16, N2=16, seed=0):
 def test_expert_gemm_against_autograd(two, monkeypatch):
     """Output, input gradient and the masters' gradients (over two backward calls: written, then added)
     against autograd through the fp32 spec loop."""
-    monkeypatch.setenv("K3_GMMW_BM", "16")
+    monkeypatch.setattr("k3.ops.grouped_gemm.triton_gmm.WGRAD_TILE", (16, 128, 64))
     x, masters, offs = _expert_case(torch.float32, N2=16 if two else 0)
     w = torch.cat([p.detach() for p in masters], 1)
     gos = [torch.randn(x.shape[0], w.shape[1], device=DEV) for _ in range(2)]

@@ -28,10 +28,9 @@ PINNED_TOL = 3e-4
 # dA_log [H] is one sum over T * K products dz * z with heavy cancellation: with bf16 chunk
 # intermediates (fla's design too) its relative error on the T = 100 test input is 2.4e-2 even with
 # every dot at tf32x3 (measured under the emulating interpreter), so bf16 bounds it separately.
-# fp32: the gate-parameter gradients are sums over every token with heavy cancellation. dA_log of
-# the varlen test (H = 1: one scalar) sits at 1.99e-5 with the v1 forward intra kernel and 2.05e-5
-# with v2; ddt_bias (K sums) at 2.1e-5 fused / 2.8e-5 with v2 + split backward (every other error
-# equal to 2 digits, dg 6e-6): the sums' cancellation, not a kernel, sets them, so both get 4e-5
+# fp32: the gate-parameter gradients are sums over every token with heavy cancellation (dA_log of the
+# varlen test, H = 1: one scalar, and ddt_bias, K sums, sit near 2-3e-5 whichever kernels compute them,
+# while every other error is ~6e-6): the sums' cancellation, not a kernel, sets them, so both get 4e-5
 # instead of the generic 2e-5.
 GATE_PARAM_TOL = {"dA_log": {torch.bfloat16: 5e-2, torch.float32: 4e-5}, "ddt_bias": {torch.float32: 4e-5}}
 # GPU-size duplicates of the CPU tests: CI deselects them (-m "not gpu"); run them on the H200 with -m gpu.
@@ -41,17 +40,6 @@ GPU = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-# Intra-chunk kernel implementations (chunk.py reads K3_KDA_FWD_INTRA / K3_KDA_BWD_INTRA per
-# call): forward v1 + fused backward, forward v2 + split backward, split forward + split backward.
-# Three combinations cover all five kernels.
-@pytest.fixture(params=["v1-fused", "v2-split", "split-split"])
-def impl(request, monkeypatch):
-    fwd, bwd = request.param.split("-")
-    monkeypatch.setenv("K3_KDA_FWD_INTRA", fwd)
-    monkeypatch.setenv("K3_KDA_BWD_INTRA", bwd)
-    return request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +109,7 @@ def _check_all(x, *, gate, l2, bsig, cu=None, tol=None, bound=-5.0):
     assert not bad, f"above {tol}: {bad}; all: {errs}"
 
 
-def test_fp32_fixed_length_all_grads(impl):
+def test_fp32_fixed_length_all_grads():
     # T = 70: one full and one partial chunk per sequence; pre-computed g with a declared bound.
     x = _inputs(2, 70, 1, 32, 32, torch.float32, gate=False, l2=False, bsig=False)
     _check_all(x, gate=False, l2=False, bsig=False)
@@ -131,14 +119,14 @@ def test_fp32_fixed_length_all_grads(impl):
     assert torch.equal(o_inf, o_tr.detach()) and torch.equal(s_inf, s_tr.detach())
 
 
-def test_fp32_varlen_fused_prologue_k_ne_v(impl):
+def test_fp32_varlen_fused_prologue_k_ne_v():
     # packed sequences incl. an empty one; in-kernel gate + L2 norm + sigmoid; K != V.
     cu = torch.tensor([0, 37, 37, 150, 171], device=DEV, dtype=torch.int32)
     x = _inputs(1, 171, 1, 32, 16, torch.float32, gate=True, l2=True, bsig=True, N=4)
     _check_all(x, gate=True, l2=True, bsig=True, cu=cu)
 
 
-def test_fp32_no_initial_state_no_final(impl):
+def test_fp32_no_initial_state_no_final():
     x = _inputs(1, 64, 1, 16, 16, torch.float32, gate=True, l2=True, bsig=False, h0=False)
     o, s = _run_triton(x, gate=True, l2=True, bsig=False, final=False)
     assert s is None
@@ -147,46 +135,40 @@ def test_fp32_no_initial_state_no_final(impl):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_all_grads(dtype, impl):
+def test_half_precision_all_grads(dtype):
     x = _inputs(1, 100, 1, 64, 64, dtype, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
-@pytest.mark.parametrize("bk,cumdot", [(16, "0"), (32, "1")])
-def test_split_bwd_key_chunks(bk, cumdot, monkeypatch):
+@pytest.mark.parametrize("bk", [16, 32])
+def test_split_bwd_key_chunks(bk, monkeypatch):
     # split backward with K spanning several key chunks (L2 projection of dk in the finish
-    # kernel), both cumulative-decay variants, fp16 with the in-kernel gate and sigmoid beta
-    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
-    monkeypatch.setenv("K3_KDA_BK_BWDSPLIT", str(bk))
-    monkeypatch.setenv("K3_KDA_CUMDOT_BWDSPLIT", cumdot)
+    # kernel), fp16 with the in-kernel gate and sigmoid beta
+    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.TILES", (bk, 4))
     x = _inputs(1, 70, 1, 64, 32, torch.float16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
-@pytest.mark.parametrize("colws,stages,unroll", [("1", "1", "1"), ("1", "2", "1"), ("1", "1", "4"), ("0", "1", "2")])
-def test_split_bwd_loop_variants(colws, stages, unroll, monkeypatch):
+@pytest.mark.parametrize("stages,unroll", [(1, 1), (2, 1), (1, 4)])
+def test_split_bwd_loop_variants(stages, unroll, monkeypatch):
     # the key kernel's A/P loop: column results in their own scratch (no barriers in the loop),
     # software-pipelined or unrolled; same results
-    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
-    monkeypatch.setenv("K3_KDA_COLWS", colws)
-    monkeypatch.setenv("K3_KDA_AP_STAGES", stages)
-    monkeypatch.setenv("K3_KDA_AP_UNROLL", unroll)
+    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.AP_STAGES", stages)
+    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.AP_UNROLL", unroll)
     x = _inputs(2, 70, 1, 64, 32, torch.bfloat16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
 def test_split_bwd_rejects_narrow_tf32_wgmma(monkeypatch):
     # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
-    monkeypatch.setenv("K3_KDA_BWD_INTRA", "split")
-    monkeypatch.setenv("K3_KDA_BK_BWDSPLIT", "16")
-    monkeypatch.setenv("K3_KDA_WARPS_BWDSPLIT", "8")
+    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.TILES", (16, 8))
     x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
     o, _ = _run_triton(x, gate=False, l2=False, bsig=False)
     with pytest.raises(ValueError, match="BK >= 4"):
         o.sum().backward()
 
 
-def test_gate_pinned_at_lower_bound_long_span(impl):
+def test_gate_pinned_at_lower_bound_long_span():
     # Every step decays by exactly the bound over 4 chunks: the factorised exponentials reach
     # exp(+-40) inside each 16-row block and nothing may overflow (fwd and bwd).
     T, H, K = 256, 1, 16
@@ -202,13 +184,13 @@ def test_gate_pinned_at_lower_bound_long_span(impl):
     _check_all(y, gate=True, l2=True, bsig=True, tol=PINNED_TOL)
 
 
-def test_lower_bound_other_values(impl):
+def test_lower_bound_other_values():
     x = _inputs(1, 80, 1, 32, 16, torch.float32, gate=True, l2=True, bsig=True, bound=-1.5)
     _check_all(x, gate=True, l2=True, bsig=True, bound=-1.5)
 
 
 def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inference=True):
-    """Every intermediate of forward intra kernel `new` against `base` (K3_KDA_FWD_INTRA values) on
+    """Every intermediate of the forward with split tiles `new` against tiles `base` ((BK, warps, NS)) on
     varlen input with an empty sequence and partial chunks; training (T stored) and, with
     `inference`, the no-grad pass, whose output and final state must equal training's bit for bit."""
     from k3.ops.kda.chunk import _fwd, chunk_meta
@@ -220,7 +202,7 @@ def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inferenc
     meta = chunk_meta(1, 100, cu, x["q"].device)
     out = {}
     for ver in (base, new):
-        monkeypatch.setenv("K3_KDA_FWD_INTRA", ver)
+        monkeypatch.setattr("k3.ops.kda.triton_fwd_split.TILES", ver)
         o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=True)
         if inference:
             o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=False)
@@ -232,16 +214,6 @@ def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inferenc
         assert _rel(b, a) < tol, (n, _rel(b, a))
 
 
-@pytest.mark.parametrize("dtype,K,V", [(torch.float32, 128, 16), (torch.bfloat16, 16, 128)])
-def test_fwd_intra_v2_matches_v1(dtype, K, V, monkeypatch):
-    # v2 against v1 (same contract) at the widest K / V, in-kernel gate + L2 + sigmoid beta.
-    # fp32: G differs by ~1e-6 (v1's tf32x3 cumulative-decay dot runs as an fp32 dot under the
-    # interpreter, v2's two-product split is emulated at tf32, as on the GPU); bf16: P entries
-    # computed in another order round to neighbouring bf16 values (one rounding step, 2^-8).
-    tol = 1e-5 if dtype == torch.float32 else 4e-3
-    _compare_fwd_intra("v1", "v2", dtype, K, V, (True, True, True), tol, monkeypatch)
-
-
 FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False, True)]
 
 
@@ -251,34 +223,25 @@ FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False
      (torch.float32, 128, 16, 16, 3, (False, True, False))]
     + [(torch.bfloat16, 32, 16, 16, 1 + (i % 2), f) for i, f in enumerate(FLAGS)],
 )
-def test_fwd_intra_split_matches_v2(dtype, K, V, bk, ns, flags, monkeypatch):
-    # The split forward intra kernels against v2 (same contract): K over several key chunks (BK 16 /
-    # 32), NS 1-3 (W / U column blocks spread over programs), every gate / L2 / sigmoid-beta
-    # combination (small K, V and training only there: CI time).
-    monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", str(bk))
-    monkeypatch.setenv("K3_KDA_NS_FWDSPLIT", str(ns))
-    # same cumulative-decay arithmetic in both (split defaults to the scan, v2 to the dot; the scan
-    # default is covered against float64 by the "split-split" runs of every test above)
-    monkeypatch.setenv("K3_KDA_CUMDOT", "1")
-    # Same arithmetic as v2 except the order of the L2 sums (per key chunk inside the A-P pass; the
-    # key rows' and block rows' norms are separate sums) and beta k e^G / ||k|| rebuilt instead of
-    # stored: under the interpreter fp32 differs by <= 1.7e-7, bf16 is bit-identical.  bf16 keeps
-    # v2's 4e-3 (one bf16 rounding step where a GPU's reduction order flips a rounding).
+def test_fwd_intra_split_tiles(dtype, K, V, bk, ns, flags, monkeypatch):
+    # The split forward intra kernels with K over several key chunks (BK 16 / 32) and NS 1-3 (W / U column
+    # blocks spread over programs) against one key chunk of 64 (the default tiles are checked against
+    # float64 by every test above), every gate / L2 / sigmoid-beta combination (small K, V and training
+    # only there: CI time).  Same arithmetic except the order of the L2 sums (per key chunk): fp32 within
+    # 1e-6, bf16 4e-3 (one bf16 rounding step where a reduction order flips a rounding).
     tol = 1e-6 if dtype == torch.float32 else 4e-3
-    _compare_fwd_intra("v2", "split", dtype, K, V, flags, tol, monkeypatch, inference=K != 32)
+    _compare_fwd_intra((64, 4, 1), (bk, 4, ns), dtype, K, V, flags, tol, monkeypatch, inference=K != 32)
 
 
 def test_split_fwd_rejects_narrow_tf32_wgmma(monkeypatch):
     # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
-    monkeypatch.setenv("K3_KDA_FWD_INTRA", "split")
-    monkeypatch.setenv("K3_KDA_BK_FWDSPLIT", "16")
-    monkeypatch.setenv("K3_KDA_WARPS_FWDSPLIT", "8")
+    monkeypatch.setattr("k3.ops.kda.triton_fwd_split.TILES", (16, 8, 1))
     x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
     with pytest.raises(ValueError, match="BK >= 4"):
         _run_triton(x, gate=False, l2=False, bsig=False)
 
 
-def test_dispatcher_uses_triton_backend(impl):
+def test_dispatcher_uses_triton_backend():
     x = _inputs(1, 20, 1, 16, 16, torch.float32, gate=True, l2=True, bsig=True)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     kw = dict(initial_state=x["h0"], output_final_state=True, A_log=x["A_log"], dt_bias=x["dt_bias"],
@@ -401,14 +364,14 @@ def test_decode_no_write_and_validation():
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_bf16_large_fixed(impl):
+def test_gpu_bf16_large_fixed():
     x = _inputs(2, 1000, 4, 128, 128, torch.bfloat16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_bf16_large_varlen(impl):
+def test_gpu_bf16_large_varlen():
     cu = torch.tensor([0, 1300, 1847, 2048 + 1847, 2048 + 1847 + 963], device=DEV)
     x = _inputs(1, int(cu[-1]), 2, 128, 128, torch.bfloat16, gate=True, l2=True, bsig=True, N=4)
     _check_all(x, gate=True, l2=True, bsig=True, cu=cu)
@@ -416,7 +379,7 @@ def test_gpu_bf16_large_varlen(impl):
 
 @GPU
 @pytest.mark.gpu
-def test_gpu_fp32_pinned_bound_long(impl):
+def test_gpu_fp32_pinned_bound_long():
     x = _inputs(1, 4096, 2, 128, 128, torch.float32, gate=False, l2=True, bsig=False)
     with torch.no_grad():
         x["g"].fill_(-5.0)

@@ -12,9 +12,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from k3.model.fused import EAGER, sort_slots  # noqa: E402
+from k3.kernel_config import KernelConfig  # noqa: E402
+from k3.model.fused import EAGER as PLAIN  # noqa: E402
+from k3.model.fused import sort_slots  # noqa: E402
 from k3.ops.moe_combine import moe_combine, moe_dispatch  # noqa: E402
 from k3.ops.moe_combine.reference import moe_combine_reference, moe_dispatch_reference  # noqa: E402
+
+EAGER = PLAIN.with_config(KernelConfig(moe_combine="torch", moe_dispatch="torch"))  # the torch regions
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,7 +105,6 @@ def test_dispatch_fp32_against_float64(N, k, L):
 def test_dispatch_half_matches_the_model_region(dtype, monkeypatch):
     """bf16 / fp16: the same rows as the torch region and the same fp32 k-way gradient sums, to one
     rounding of the storage dtype; int32 slot indices."""
-    monkeypatch.setenv("K3_DISPATCH", "inductor")
     N, k, L = 45, 4, 96
     _, _, order, inv = _inputs(N, k, L, E=9, dtype=dtype, seed=2)
     z = torch.randn(N, L, device=DEV).to(dtype)
@@ -131,12 +134,10 @@ def test_dispatch_bad_inputs_raise():
 
 
 def test_model_routes_dispatch_through_the_kernels(monkeypatch):
-    """Kernels.dispatch with K3_DISPATCH=triton (interpreter on the CPU) equals the torch region."""
+    """Kernels.dispatch with kernels.moe_dispatch="triton" (interpreter on the CPU) equals the torch region."""
     _, _, order, inv = _inputs(16, 2, 8, E=5, dtype=torch.float32, seed=3)
     z = torch.randn(16, 8, device=DEV, requires_grad=True)
-    monkeypatch.setenv("K3_DISPATCH", "triton")
-    a = EAGER.dispatch(z, order, inv, 2)
-    monkeypatch.setenv("K3_DISPATCH", "inductor")
+    a = PLAIN.with_config(KernelConfig(moe_dispatch="triton")).dispatch(z, order, inv, 2)
     b = EAGER.dispatch(z, order, inv, 2)
     assert a.grad_fn is not None and type(a.grad_fn).__name__ != type(b.grad_fn).__name__
     assert torch.equal(a, b)
@@ -145,8 +146,6 @@ def test_model_routes_dispatch_through_the_kernels(monkeypatch):
 @pytest.mark.gpu
 def test_k3_small_size_on_gpu(monkeypatch):
     """65,536 tokens x 8 choices of 64 experts, L 512 bf16: agrees with the torch regions."""
-    monkeypatch.setenv("K3_COMBINE", "inductor")
-    monkeypatch.setenv("K3_DISPATCH", "inductor")
     N, k, L = 65536, 8, 512
     idx = torch.rand(N, 64, device=DEV).topk(k, dim=1).indices
     order, inv = sort_slots(idx)

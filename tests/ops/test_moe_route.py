@@ -1,5 +1,5 @@
 """MoE routing Triton kernels (top-k selection, counting sort of the slots) against the spec and torch,
-and the model with K3_ROUTE=triton against the torch routing.
+and the model with kernels.moe_route="triton" against the torch routing.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (CI); on a GPU the same tests
 plus a k3-small-sized case marked `gpu`.
@@ -13,7 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from k3.model.fused import EAGER, _triton_choice, route_slots  # noqa: E402
+from k3.kernel_config import KernelConfig  # noqa: E402
+from k3.model.compile import set_kernel_config  # noqa: E402
+from k3.model.fused import EAGER, route_slots  # noqa: E402
 from k3.ops.moe_route import MAX_EXPERTS, sort_slots_triton, topk_route  # noqa: E402
 from k3.ops.moe_route.reference import sort_slots_reference, topk_route_reference  # noqa: E402
 
@@ -110,13 +112,13 @@ def test_topk_bad_inputs_raise():
 def test_sort_distinct_ids_equals_torch(monkeypatch, N, k, E):
     """Router-like ids (distinct per row), in blocks of 256 slots (the interpreter's sort is slow; the
     default 1024 runs in the model test); N*k rarely a multiple of the block."""
-    monkeypatch.setenv("K3_ROUTE_SORT_B", "256")
+    monkeypatch.setattr("k3.ops.moe_route.triton_route.TILE", (1024, 2, 256, 4))
     _check_sort(_distinct_ids(N, E, k), E)
 
 
 def test_sort_random_and_equal_ids_across_blocks(monkeypatch):
     """Repeated ids within rows, all-equal ids, and several blocks of 16 slots with a short last one."""
-    monkeypatch.setenv("K3_ROUTE_SORT_B", "16")
+    monkeypatch.setattr("k3.ops.moe_route.triton_route.TILE", (1024, 2, 16, 4))
     g = _gen(3)
     _check_sort(torch.randint(0, 7, (45, 3), generator=g).to(DEV), 7)
     _check_sort(torch.full((23, 2), 4, device=DEV), 5)
@@ -150,50 +152,28 @@ def test_sort_bad_inputs_raise():
 # the model's switch
 
 
-def test_route_is_the_cuda_training_default(monkeypatch):
-    """Unset K3_ROUTE: the kernels for CUDA tensors under autograd (timed 1.015x in the H200 step), the
-    torch routing on CPU and in inference (serving's CUDA graphs); the env forces either side."""
-    from types import SimpleNamespace
-
-    monkeypatch.delenv("K3_ROUTE", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert _triton_choice("K3_ROUTE", SimpleNamespace(is_cuda=True))
-    assert not _triton_choice("K3_ROUTE", SimpleNamespace(is_cuda=False))
-    with torch.no_grad():
-        assert not _triton_choice("K3_ROUTE", SimpleNamespace(is_cuda=True))
-    monkeypatch.setenv("K3_ROUTE", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _triton_choice("K3_ROUTE", SimpleNamespace(is_cuda=False))
-    monkeypatch.setenv("K3_ROUTE", "fast")
-    with pytest.raises(ValueError, match="K3_ROUTE"):
-        _triton_choice("K3_ROUTE", SimpleNamespace(is_cuda=True))
-
-
 def test_router_and_slots_switch(monkeypatch):
-    """Kernels.route and route_slots with K3_ROUTE=triton: the same id sets, weights (per id) and
+    """Kernels.route and route_slots with kernels.moe_route="triton": the same id sets, weights (per id) and
     scores as the torch region, and identical slot order / counts; also without autograd (serving)."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = _gen(4)
     x, wt, bias = (torch.randn(29, 24, generator=g).to(DEV), torch.randn(16, 24, generator=g).to(DEV),
                    (torch.randn(16, generator=g) * 0.1).to(DEV))
-    monkeypatch.setenv("K3_ROUTE", "inductor")
-    i0, w0, s0 = EAGER.route(x, wt, bias, 4, True, 2.5)
-    monkeypatch.setenv("K3_ROUTE", "triton")
-    i1, w1, s1 = EAGER.route(x, wt, bias, 4, True, 2.5)
+    i0, w0, s0 = EAGER.with_config(KernelConfig(moe_route="torch")).route(x, wt, bias, 4, True, 2.5)
+    i1, w1, s1 = EAGER.with_config(KernelConfig(moe_route="triton")).route(x, wt, bias, 4, True, 2.5)
     assert torch.equal(s1, s0) and torch.equal(i1, topk_route_reference(s0, 4, bias))
     p0, p1 = i0.argsort(-1), i1.argsort(-1)
     assert torch.equal(i1.gather(1, p1), i0.gather(1, p0))
     torch.testing.assert_close(w1.gather(1, p1), w0.gather(1, p0), rtol=1e-6, atol=1e-7)
     with torch.no_grad():
-        got = route_slots(i1, 16)
-    monkeypatch.setenv("K3_ROUTE", "inductor")
-    for a, b in zip(got, route_slots(i1, 16)):
+        got = route_slots(i1, 16, "triton")
+    for a, b in zip(got, route_slots(i1, 16, "torch")):
         assert torch.equal(a, b)
 
 
 def test_model_with_triton_routing_matches_torch(monkeypatch):
-    """k3-tiny (32 experts, top-4): loss and every parameter gradient with K3_ROUTE=triton equal the
+    """k3-tiny (32 experts, top-4): loss and every parameter gradient with kernels.moe_route="triton" equal the
     torch routing's up to fp32 summation order (the rows list ids in another order, so the weight
     renormalisation and the combine add the k terms in another order): rtol 1e-5 on the loss, 1e-3
     relative to each gradient's largest entry."""
@@ -213,9 +193,9 @@ def test_model_with_triton_routing_matches_torch(monkeypatch):
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    monkeypatch.setenv("K3_ROUTE", "inductor")
+    set_kernel_config(model, KernelConfig(moe_route="torch"))
     loss0, g0 = run()
-    monkeypatch.setenv("K3_ROUTE", "triton")
+    set_kernel_config(model, KernelConfig(moe_route="triton"))
     loss1, g1 = run()
     loss2, g2 = run()
     assert torch.equal(loss1, loss2) and all(torch.equal(g1[n], g2[n]) for n in g1)  # deterministic

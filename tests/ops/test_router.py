@@ -55,9 +55,13 @@ def test_bad_inputs_raise():
 
 
 def test_kernels_route_uses_the_split_for_bf16(monkeypatch):
-    """Kernels.route on its Triton path (K3_ROUTE=triton): bf16 x gets the split logits by default,
-    K3_ROUTER_SPLIT=0 the compiled fp32 region; same ids and fp32-close scores and weights."""
-    from k3.model.fused import EAGER
+    """Kernels.route on its Triton path (kernels.moe_route="triton"): bf16 x gets the split logits; against
+    the fp32 GEMM of x cast to fp32 (the logits put in its place): same ids and fp32-close scores and
+    weights."""
+    from k3.kernel_config import KernelConfig
+    from k3.model import fused
+
+    kern = fused.EAGER.with_config(KernelConfig(moe_route="triton"))
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -65,17 +69,13 @@ def test_kernels_route_uses_the_split_for_bf16(monkeypatch):
     torch.manual_seed(1)
     x = torch.randn(57, 48, device=dev).to(torch.bfloat16)
     wt, bias = torch.randn(16, 48, device=dev) * 0.1, torch.randn(16, device=dev) * 0.01
-    monkeypatch.setenv("K3_ROUTE", "triton")
-    monkeypatch.setenv("K3_ROUTER_SPLIT", "0")
-    i0, w0, s0 = EAGER.route(x, wt, bias, 4, True, 1.0)
-    monkeypatch.setenv("K3_ROUTER_SPLIT", "1")
-    i1, w1, s1 = EAGER.route(x, wt, bias, 4, True, 1.0)
+    i1, w1, s1 = kern.route(x, wt, bias, 4, True, 1.0)
+    assert s1.dtype == torch.float32
+    monkeypatch.setattr(fused, "router_logits", lambda x, w: x.float() @ w.float().t())
+    i0, w0, s0 = kern.route(x, wt, bias, 4, True, 1.0)
     torch.testing.assert_close(s1, s0, rtol=1e-6, atol=1e-7)
     assert torch.equal(i1, i0)
     torch.testing.assert_close(w1, w0, rtol=1e-6, atol=1e-7)
-    monkeypatch.setenv("K3_ROUTER_SPLIT", "yes")
-    with pytest.raises(ValueError, match="K3_ROUTER_SPLIT"):
-        EAGER.route(x, wt, bias, 4, True, 1.0)
 
 
 @pytest.mark.gpu

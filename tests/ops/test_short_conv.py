@@ -13,10 +13,41 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from k3.ops.short_conv import document_starts, short_conv_silu  # noqa: E402
+from k3.ops.short_conv import triton_conv  # noqa: E402
 from k3.ops.short_conv.reference import short_conv_silu_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+# Test-only overrides of the kernels' choices (module functions and tile constants, restored by monkeypatch):
+# the kernel family for W <= 4, the tiled backward's dz scratch dtype, the passthrough copies, program tiles.
+_TILE_FIELDS = {"FWDW": ("R", "BC", "WARPS"), "BWDW": ("R", "BC", "WARPS"),
+                "FWD": ("BT", "BC", "WARPS"), "BWD": ("BT", "BC", "WARPS")}
+_PASS_MODE = triton_conv._pass_mode
+
+
+def _use_mode(monkeypatch, mode):
+    """"window" (the default for W <= 4) or "tiles" (the tiled kernels for every W)."""
+    monkeypatch.setattr(triton_conv, "_mode", lambda W: mode if W <= triton_conv.MAX_WINDOW else "tiles")
+
+
+def _use_dz(monkeypatch, dz):
+    """The tiled backward's dz scratch: "fp32", or "half" (x's dtype; the default for bf16 / fp16 x)."""
+    monkeypatch.setattr(triton_conv, "_dz_dtype", lambda x: torch.float32 if dz == "fp32" else x.dtype)
+
+
+def _use_pass(monkeypatch, mode):
+    """Passthrough gradients by the backward's own programs ("kernel", the default) or torch copies."""
+    monkeypatch.setattr(triton_conv, "_pass_mode", _PASS_MODE if mode == "kernel" else lambda groups: "torch")
+
+
+def _use_tile(monkeypatch, direction, **fields):
+    """Replace fields (R / BT, BC, WARPS) of one direction's program tile."""
+    table = triton_conv.WINDOW if direction in ("FWDW", "BWDW") else triton_conv.TILES
+    tile = dict(zip(_TILE_FIELDS[direction], table[direction]))
+    tile.update(fields)
+    monkeypatch.setitem(table, direction, tuple(tile[k] for k in _TILE_FIELDS[direction]))
 
 
 def _rel(a, b):
@@ -59,20 +90,20 @@ def test_rows(dtype):
 
 def _kernels(param: str, monkeypatch) -> str:
     mode, dz = (param.split("-") + ["fp32"])[:2]
-    monkeypatch.setenv("K3_CONV", mode)
+    _use_mode(monkeypatch, mode)
     if dz == "small":
         for d in ("FWDW", "BWDW"):
-            monkeypatch.setenv(f"K3_CONV_{d}_R", "8")
+            _use_tile(monkeypatch, d, R=8)
     else:
-        monkeypatch.setenv("K3_CONV_DZ", dz)
+        _use_dz(monkeypatch, dz)
     return param
 
 
 @pytest.fixture(params=["window", "window-small", "tiles-fp32", "tiles-half"])
 def bwd_strips(request, monkeypatch):
-    """The kernels (env K3_CONV): the sliding-window ones (default tiles, and 8-row strips, so the test
+    """The kernels (`_use_mode`): the sliding-window ones (default tiles, and 8-row strips, so the test
     crosses many strips) and the tiled ones, whose split backward keeps dz in fp32 or in x's
-    dtype (K3_CONV_DZ; the default "auto" is one of the two, see test_dz_dtype). For the tests about
+    dtype (`_use_dz`; the default is one of the two, see test_dz_dtype). For the tests about
     documents and block edges; the others take `bwd` (no 8-row strips: CPU interpreter time in CI)."""
     return _kernels(request.param, monkeypatch)
 
@@ -98,7 +129,7 @@ def test_packed_documents_with_short_ones(bwd_strips):
 def test_backward_block_edges(W, bwd_strips):
     # several 32-row blocks (the backward reads output rows across block edges), documents starting just
     # before / after a block edge, two channel blocks (S*C = 144 > 128), B = 2 without documents; the
-    # window kernels take W <= 4 (W 2, 3 zero-padded), W 5 runs the tiled ones whatever K3_CONV says
+    # window kernels take W <= 4 (W 2, 3 zero-padded), W 5 runs the tiled ones whatever the mode
     _check(1, 150, 3, 48, W, torch.float32, cu=[0, 1, 3, 63, 66, 128, 129, 150])
     _check(2, 131, 3, 48, W, torch.float32)
 
@@ -110,7 +141,7 @@ def test_streams_straddle_channel_blocks(S, dtype, bc, bwd, monkeypatch):
     """C = 12: a channel block of 128 holds all streams, blocks of 16 straddle two; the kernels pick each
     column's stream tensor (outputs, stream gradients), with packed documents and a sliced x."""
     for d in ("FWD", "BWD", "FWDW", "BWDW"):
-        monkeypatch.setenv(f"K3_CONV_{d}_BC", str(bc))
+        _use_tile(monkeypatch, d, BC=bc)
     _check(1, 70, S, 12, 4, dtype, cu=[0, 5, 6, 40, 70], sliced=True)
 
 
@@ -118,8 +149,8 @@ def test_streams_straddle_channel_blocks(S, dtype, bc, bwd, monkeypatch):
 def test_unused_stream_output(unused, bwd, monkeypatch):
     """A stream's output left out of the loss (its gradient reaches the backward as None) counts as a
     zero gradient; across channel blocks that straddle streams."""
-    monkeypatch.setenv("K3_CONV_BWD_BC", "16")
-    monkeypatch.setenv("K3_CONV_BWDW_BC", "16")
+    _use_tile(monkeypatch, "BWD", BC=16)
+    _use_tile(monkeypatch, "BWDW", BC=16)
     _check(1, 45, 3, 12, 4, torch.float32, cu=[0, 1, 3, 20, 45], unused=unused)
     _check(1, 45, 3, 12, 4, torch.bfloat16, cu=[0, 1, 3, 20, 45], unused=unused, sliced=True)
 
@@ -147,48 +178,20 @@ def test_none_gradient_is_not_materialised(monkeypatch):
     assert _rel(x.grad, xr.grad) < TOL[torch.float32] and _rel(w.grad, wr.grad) < TOL[torch.float32]
 
 
-def test_dz_dtype(monkeypatch):
-    """The split backward's dz scratch: x's dtype for bf16/fp16 x and fp32 for fp32 x by default
-    (K3_CONV_DZ=auto); K3_CONV_DZ=fp32 / half force fp32 / x's dtype; other values raise."""
-    from k3.ops.short_conv.triton_conv import _dz_dtype
-
-    monkeypatch.delenv("K3_CONV_DZ", raising=False)
+def test_dz_dtype():
+    """The split backward's dz scratch: x's dtype for bf16/fp16 x and fp32 for fp32 x."""
     for dt in (torch.bfloat16, torch.float16, torch.float32):
-        assert _dz_dtype(torch.empty(1, dtype=dt)) == dt
-    monkeypatch.setenv("K3_CONV_DZ", "fp32")
-    assert _dz_dtype(torch.empty(1, dtype=torch.bfloat16)) == torch.float32
-    monkeypatch.setenv("K3_CONV_DZ", "half")
-    assert _dz_dtype(torch.empty(1, dtype=torch.bfloat16)) == torch.bfloat16
-    assert _dz_dtype(torch.empty(1, dtype=torch.float32)) == torch.float32
-    monkeypatch.setenv("K3_CONV_DZ", "bf16")
-    with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
-        _dz_dtype(torch.empty(1))
+        assert triton_conv._dz_dtype(torch.empty(1, dtype=dt)) == dt
 
 
 def test_tile_knobs(monkeypatch):
-    # other program tiles (bench/short_conv.py --sweep) give the same results; bad values raise
-    for k, v in (("FWD_BT", "64"), ("FWD_BC", "16"), ("BWD_BT", "16"), ("BWD_BC", "32"), ("BWD_WARPS", "2"),
-                 ("FWDW_R", "16"), ("FWDW_BC", "16"), ("BWDW_R", "4"), ("BWDW_BC", "32"), ("BWDW_WARPS", "2")):
-        monkeypatch.setenv(f"K3_CONV_{k}", v)
+    # other program tiles (bench/short_conv.py --sweep) give the same results
+    for d, k, v in (("FWD", "BT", 64), ("FWD", "BC", 16), ("BWD", "BT", 16), ("BWD", "BC", 32), ("BWD", "WARPS", 2),
+                    ("FWDW", "R", 16), ("FWDW", "BC", 16), ("BWDW", "R", 4), ("BWDW", "BC", 32), ("BWDW", "WARPS", 2)):
+        _use_tile(monkeypatch, d, **{k: v})
     for mode in ("window", "tiles"):
-        monkeypatch.setenv("K3_CONV", mode)
+        _use_mode(monkeypatch, mode)
         _check(1, 70, 3, 16, 4, torch.float32, cu=[0, 17, 70])
-    x = torch.randn(1, 8, 12, device=DEV, requires_grad=True)
-    monkeypatch.setenv("K3_CONV_FWD_BT", "24")
-    with pytest.raises(ValueError, match="power of two"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
-    monkeypatch.setenv("K3_CONV_FWD_BT", "32")
-    monkeypatch.setenv("K3_CONV", "window")
-    monkeypatch.setenv("K3_CONV_FWDW_R", "2")
-    with pytest.raises(ValueError, match="4 rows at a time"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
-    monkeypatch.setenv("K3_CONV", "fast")
-    with pytest.raises(ValueError, match="K3_CONV must be"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))
-    monkeypatch.setenv("K3_CONV", "tiles")
-    monkeypatch.setenv("K3_CONV_DZ", "bf16")
-    with pytest.raises(ValueError, match="K3_CONV_DZ must be"):
-        short_conv_silu(x, torch.randn(12, 1, 4, device=DEV))[0].sum().backward()
 
 
 def test_sliced_input_and_one_stream():
@@ -249,7 +252,7 @@ def test_gpu_large_bf16(bwd):
 
 def test_window_keeps_dz_in_fp32(monkeypatch):
     """The window backward never stores dz, so with bf16 inputs its dx and dw are at least as close to float64
-    as the tiled backward's with the bf16 dz scratch (its default); the forwards agree to a bf16 ulp.
+    as the tiled backward's with the bf16 dz scratch (its default for bf16); the forwards agree to a bf16 ulp.
     Packed documents, a sliced x, a stream whose output is unused, strips and blocks crossing documents."""
     torch.manual_seed(1)
     B, T, S, C, W = 1, 150, 3, 40, 4
@@ -261,12 +264,12 @@ def test_window_keeps_dz_in_fp32(monkeypatch):
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     ref = short_conv_silu_reference(xr, wr, cu).reshape(B, T, S, C)
     torch.autograd.backward([ref[:, :, 0], ref[:, :, 2]], [dos[0].double(), dos[2].double()])
-    monkeypatch.setenv("K3_CONV_DZ", "half")
-    monkeypatch.setenv("K3_CONV_FWDW_R", "16")
-    monkeypatch.setenv("K3_CONV_BWDW_R", "32")
+    _use_dz(monkeypatch, "half")
+    _use_tile(monkeypatch, "FWDW", R=16)
+    _use_tile(monkeypatch, "BWDW", R=32)
     res = {}
     for mode in ("tiles", "window"):
-        monkeypatch.setenv("K3_CONV", mode)
+        _use_mode(monkeypatch, mode)
         xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
         outs = short_conv_silu(xl, wl, streams=S, cu_seqlens=cu)
         torch.autograd.backward([outs[0], outs[2]], [dos[0], dos[2]])  # stream 1 unused
@@ -339,23 +342,22 @@ _PASS_CASES = [
 @pytest.mark.parametrize("P, none, dtype, gdtype, bc, mode", [
     case + (mode,) for mode in ("window", "tiles") for case in _PASS_CASES] + [_PASS_CASES[0] + ("window-small",)])
 def test_passthrough_gradients_in_the_launch(P, none, dtype, gdtype, bc, mode, monkeypatch):
-    """The passthrough programs of the conv backward's launch (default, env K3_CONV_PASS=kernel) fill x's
+    """The passthrough programs of the conv backward's launch (the default) fill x's
     gradient's passthrough columns exactly (None: zeros; gradients made in another dtype, cast), with
     documents and T not a multiple of any strip or block (one case with T < the default strips), and B = 2;
-    K3_CONV_PASS=torch (the torch copies) gives the same bits for all of x's and w's gradients."""
-    monkeypatch.delenv("K3_CONV_PASS", raising=False)
+    the torch copies give the same bits for all of x's and w's gradients."""
     # the kernels (the `bwd` fixture's without its dz-dtype variant, which the copy programs do not see)
-    monkeypatch.setenv("K3_CONV", mode.split("-")[0])
+    _use_mode(monkeypatch, mode.split("-")[0])
     if mode == "window-small":  # 8-row strips: the copy programs cross many strips
-        monkeypatch.setenv("K3_CONV_BWDW_R", "8")
+        _use_tile(monkeypatch, "BWDW", R=8)
     if bc:
         for d in ("BWD", "BWDW"):
-            monkeypatch.setenv(f"K3_CONV_{d}_BC", str(bc))
+            _use_tile(monkeypatch, d, BC=bc)
     for B, T, S, C, cu in [(1, 45, 3, 16, [0, 1, 3, 20, 38, 45]), (2, 37, 1, 40, None)]:
         got = _check_passthrough(B, T, S, C, P, dtype, cu=cu, none=none, gdtype=gdtype)
-        monkeypatch.setenv("K3_CONV_PASS", "torch")
+        _use_pass(monkeypatch, "torch")
         ref = _check_passthrough(B, T, S, C, P, dtype, cu=cu, none=none, gdtype=gdtype)
-        monkeypatch.delenv("K3_CONV_PASS")
+        _use_pass(monkeypatch, "kernel")
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
@@ -367,9 +369,9 @@ def test_passthrough_gradient_layouts(xdtype, gdtype, mode, monkeypatch):
     gradients of another dtype (cast on store, rounding to nearest even as torch's copy does) and odd
     layouts: a slice of a wider tensor (rows 7 elements apart), a broadcast (stride 0), a transposed one (last
     dim not contiguous: copied first), batch rows not evenly spaced (copied first), and None (zeros). The
-    passthrough columns equal the gradients cast to x's dtype, and K3_CONV_PASS=torch gives the same bits."""
-    monkeypatch.setenv("K3_CONV", mode)
-    monkeypatch.setenv("K3_CONV_BWDW_R", "8")
+    passthrough columns equal the gradients cast to x's dtype, and the torch copies give the same bits."""
+    _use_mode(monkeypatch, mode)
+    _use_tile(monkeypatch, "BWDW", R=8)
     torch.manual_seed(4)
     B, T, S, C = 2, 37, 3, 8
     P = (3, 1, 6)
@@ -389,7 +391,7 @@ def test_passthrough_gradient_layouts(xdtype, gdtype, mode, monkeypatch):
     for name, gs in cases.items():
         res = {}
         for pm in ("kernel", "torch"):
-            monkeypatch.setenv("K3_CONV_PASS", pm)
+            _use_pass(monkeypatch, pm)
             outs = short_conv_silu(x, w, streams=S, passthrough=P)
             res[pm] = outs[0].grad_fn.apply(*do, *gs)[:2]  # ShortConvSiLU.backward as it is
         dx = res["kernel"][0]
@@ -400,11 +402,7 @@ def test_passthrough_gradient_layouts(xdtype, gdtype, mode, monkeypatch):
             assert torch.equal(dx[..., off:off + P[j]], want), (name, j)
 
 
-def test_passthrough_switch_and_many_groups(monkeypatch):
-    """More passthrough groups than the kernels' 3 pointers take the torch copies (same result); a mistyped
-    K3_CONV_PASS raises."""
-    monkeypatch.setenv("K3_CONV_BWDW_R", "8")
+def test_passthrough_many_groups(monkeypatch):
+    """More passthrough groups than the kernels' 3 pointers take the torch copies (same result)."""
+    _use_tile(monkeypatch, "BWDW", R=8)
     _check_passthrough(1, 30, 3, 8, (2, 1, 3, 2), torch.float32, cu=[0, 11, 30], none=(2,))
-    monkeypatch.setenv("K3_CONV_PASS", "copy")
-    with pytest.raises(ValueError, match="K3_CONV_PASS must be"):
-        _check_passthrough(1, 30, 3, 8, (2, 1), torch.float32)

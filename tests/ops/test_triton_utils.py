@@ -41,47 +41,11 @@ def test_column_sum_large_gpu():
     torch.testing.assert_close(column_sum(x).double(), x.double().sum(0), rtol=0, atol=1e-3)
 
 
-def test_env_int_knobs(monkeypatch):
-    """Integer kernel knobs (tiles, warps, pipeline depths): unset -> the default; a non-integer, a value
-    below 1 or (for tiles) not a power of two raises, naming the variable."""
-    from k3.ops.backend import env_int, env_tile
+def test_state_value_block(monkeypatch):
+    """The KDA state scans' value block: 64, narrower only when fewer than 64 programs would run; the
+    module constant STATE_BV (tests) overrides it."""
+    from k3.ops.kda import chunk
 
-    monkeypatch.delenv("K3_TEST_KNOB", raising=False)
-    assert env_int("K3_TEST_KNOB", 7) == 7
-    monkeypatch.setenv("K3_TEST_KNOB", "3")
-    assert env_int("K3_TEST_KNOB", 7) == 3
-    with pytest.raises(ValueError, match="K3_TEST_KNOB must be a positive power of two, got 3"):
-        env_int("K3_TEST_KNOB", 4, pow2=True)
-    for bad, msg in (("x2", "must be an integer"), ("0", "must be a positive integer"), ("-4", "must be a positive integer")):
-        monkeypatch.setenv("K3_TEST_KNOB", bad)
-        with pytest.raises(ValueError, match=f"K3_TEST_KNOB {msg}"):
-            env_int("K3_TEST_KNOB", 4)
-    monkeypatch.setenv("K3_TEST_BM", "6")
-    with pytest.raises(ValueError, match="K3_TEST_BM must be a positive power of two"):
-        env_tile("K3_TEST", ("BM", "BD"), (2, 1024))
-    monkeypatch.setenv("K3_KDA_STAGES", "two")
-    from k3.ops.kda.chunk import _stages
-
-    with pytest.raises(ValueError, match="K3_KDA_STAGES must be an integer"):
-        _stages()
-
-
-def test_env_int_opt_knobs(monkeypatch):
-    """Optional integer knobs (KDA value blocks, register caps): unset or empty -> None; else env_int's strict
-    parse; the KDA value-block choice honours and checks it."""
-    from k3.ops.backend import env_int_opt
-    from k3.ops.kda.chunk import _state_bv
-
-    monkeypatch.delenv("K3_TEST_KNOB", raising=False)
-    assert env_int_opt("K3_TEST_KNOB") is None
-    monkeypatch.setenv("K3_TEST_KNOB", "")
-    assert env_int_opt("K3_TEST_KNOB") is None
-    monkeypatch.setenv("K3_TEST_KNOB", "168")
-    assert env_int_opt("K3_TEST_KNOB") == 168
-    with pytest.raises(ValueError, match="K3_TEST_KNOB must be a positive power of two, got 168"):
-        env_int_opt("K3_TEST_KNOB", pow2=True)
-    monkeypatch.setenv("K3_KDA_BV", "32")
-    assert _state_bv(128, 1) == 32 and _state_bv(16, 1) == 16
-    monkeypatch.setenv("K3_KDA_BV", "48")
-    with pytest.raises(ValueError, match="K3_KDA_BV must be a positive power of two"):
-        _state_bv(128, 1)
+    assert chunk._state_bv(128, 64) == 64 and chunk._state_bv(128, 1) == 16 and chunk._state_bv(16, 1) == 16
+    monkeypatch.setattr(chunk, "STATE_BV", 32)
+    assert chunk._state_bv(128, 1) == 32 and chunk._state_bv(16, 1) == 16

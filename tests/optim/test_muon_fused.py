@@ -1,4 +1,4 @@
-"""Per-Head Muon's fused Triton step (k3.optim.muon_kernels) against its torch path (K3_MUON_FUSED=0).
+"""Per-Head Muon's fused Triton step (k3.optim.muon_kernels) against its torch path (PerHeadMuon(fused=False)).
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 on small shapes (CI), where torch's CPU lerp and add
 are the same single-rounding fmas as the kernels': momentum and Nesterov updates are compared bit for bit;
@@ -165,7 +165,7 @@ def _grads(params, step: int) -> list[torch.Tensor]:
 def _step(opt: PerHeadMuon, params, grads, monkeypatch, fused: bool) -> None:
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    monkeypatch.setenv("K3_MUON_FUSED", "1" if fused else "0")
+    opt.fused = fused
     opt.step()
 
 
@@ -187,11 +187,11 @@ def _spy(monkeypatch) -> dict[str, int]:
 
 
 def test_step_matches_torch_path(monkeypatch):
-    """3 steps fused vs K3_MUON_FUSED=0, small programs (several per block and per parameter): momentum
+    """3 steps fused vs PerHeadMuon(fused=False), small programs (several per block and per parameter): momentum
     identical (one fp32 ulp on CUDA); parameters within bf16-level rounding of the update (on CPU fp32 ones
     come out identical; bf16 ones differ where torch's CPU bf16 add rounds alpha to bf16)."""
-    monkeypatch.setenv("K3_MUON_PREP_BLOCK", "64")
-    monkeypatch.setenv("K3_MUON_UPDATE_BLOCK", "128")
+    monkeypatch.setattr(muon_kernels, "PREP_BLOCK", 64)
+    monkeypatch.setattr(muon_kernels, "UPDATE_BLOCK", 128)
     calls = _spy(monkeypatch)
     a, opt_a = _model()
     b, opt_b = _model()
@@ -218,7 +218,6 @@ def test_step_matches_torch_path(monkeypatch):
 
 def test_state_dict_roundtrip(monkeypatch):
     """Save after 2 fused steps, load into a fresh optimizer (weights_only), continue: identical."""
-    monkeypatch.setenv("K3_MUON_FUSED", "1")
     a, opt_a = _model()
     for step in range(2):
         for p, g in zip(a, _grads(a, step)):
@@ -244,7 +243,6 @@ def test_state_dict_roundtrip(monkeypatch):
 
 def test_storage_change_rebuilds_the_update_plan(monkeypatch):
     """The update tables hold addresses: a parameter given new storage is updated there, not at the old one."""
-    monkeypatch.setenv("K3_MUON_FUSED", "1")
     a, opt_a = _model(torch.float32)
     b, opt_b = _model(torch.float32)
     for params, opt in ((a, opt_a), (b, opt_b)):
@@ -264,23 +262,18 @@ def test_storage_change_rebuilds_the_update_plan(monkeypatch):
 
 
 def test_switch_off_and_fp32_ns_take_the_torch_path(monkeypatch):
-    """K3_MUON_FUSED=0, and an fp32 Newton-Schulz, never reach the kernels; a bad value raises."""
+    """fused=False, and an fp32 Newton-Schulz, never reach the kernels."""
     def boom(*args, **kw):
         raise AssertionError("kernel called")
 
     monkeypatch.setattr(muon_kernels, "muon_prep", boom)
     monkeypatch.setattr(muon_kernels, "apply_flat_update", boom)
     a, opt = _model()
-    monkeypatch.setenv("K3_MUON_FUSED", "0")
+    opt.fused = False
     for p, g in zip(a, _grads(a, 0)):
         p.grad = g
     opt.step()
-    monkeypatch.setenv("K3_MUON_FUSED", "1")
+    opt.fused = True
     for group in opt.param_groups:
         group["ns_dtype"] = "float32"
     opt.step()
-    monkeypatch.setenv("K3_MUON_FUSED", "yes")
-    for group in opt.param_groups:
-        group["ns_dtype"] = "bfloat16"
-    with pytest.raises(ValueError, match="K3_MUON_FUSED"):
-        opt.step()

@@ -85,7 +85,8 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(corpus, tmp_path, micr
 
 
 def test_fused_loss_trains_like_the_default(corpus, tmp_path, monkeypatch):
-    """K3_CE=triton (the fused linear + cross-entropy; the Triton interpreter on a CPU): a step over two
+    """kernels.cross_entropy="triton" in the train config's model overrides (the fused linear +
+    cross-entropy; the Triton interpreter on a CPU): a step over two
     micro-batches gives the default path's loss and gradients, and the validation loss (the fused
     forward under no_grad) agrees, to fp32 rounding."""
     from k3.model import fused
@@ -95,9 +96,8 @@ def test_fused_loss_trains_like_the_default(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(fused, "linear_cross_entropy", lambda *a, **k: calls.append(1) or real(*a, **k))
     kw = dict(max_steps=1, stages=[Stage(64, 1.0)], eval_every=100, micro_batch_tokens=128)
     res = {}
-    for ce in ("inductor", "triton"):
-        monkeypatch.setenv("K3_CE", ce)
-        t = Trainer(_cfg(corpus, tmp_path / ce, tmp_path, **kw))
+    for ce in ("torch", "triton"):
+        t = Trainer(_cfg(corpus, tmp_path / ce, tmp_path, model=dict(MODEL, kernels={"cross_entropy": ce}), **kw))
         grads = {}
         step = t.opt.step
         t.opt.step = lambda t=t, step=step: (
@@ -105,7 +105,7 @@ def test_fused_loss_trains_like_the_default(corpus, tmp_path, monkeypatch):
         rec = t.train_step()
         res[ce] = (rec["loss"], grads, t.evaluate())
         assert bool(calls) == (ce == "triton")
-    (la, ga, va), (lb, gb, vb) = res["inductor"], res["triton"]
+    (la, ga, va), (lb, gb, vb) = res["torch"], res["triton"]
     assert lb == pytest.approx(la, rel=1e-6) and vb == pytest.approx(va, rel=1e-6)
     assert ga.keys() == gb.keys()
     for k, g in ga.items():

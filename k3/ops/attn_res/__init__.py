@@ -2,8 +2,6 @@
 
     from k3.ops.attn_res import attn_res_mix
     h = attn_res_mix([b0, b1, prefix], w_norm, w_proj, eps=1e-5)     # [..., d]
-    x = attn_res_mix([b0, b1, prefix], w_norm, w_proj, 1e-5, norm_weight=ln.weight, norm_eps=1e-5)
-                                                                      # = KimiRMSNorm(h), one kernel
 
 `reference.py` is the spec (plain loops); `triton_attn_res.py` the Triton forward / backward kernels
 used on CUDA tensors (and under TRITON_INTERPRET=1 on CPU, which is how CI tests them).
@@ -19,8 +17,7 @@ MAX_CANDIDATES = 9  # K3's output mix: 8 completed blocks + the running prefix (
 
 
 def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.Tensor, eps: float,
-                 carry: int = 0, norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-5
-                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+                 carry: int = 0) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
     """Softmax-weighted mix of the candidates, logits from their RMS-normalised values and w_norm * w_proj.
 
     Args:
@@ -31,13 +28,9 @@ def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.
             (same values): give those, not the originals, to their other consumers (the next mix; with
             carry = n also the running prefix's residual add), and the gradients those send them are
             summed inside this mix's backward kernel instead of by autograd's separate add passes.
-        norm_weight: [d] or None. Given, the output is the mix through KimiRMSNorm (normalised in fp32,
-            rounded to the mix's dtype, times norm_weight, rounded again; `k3.model.common.rms_norm`)
-            with norm_eps, in the same kernels: the mix itself is written once for the backward but
-            never read back by a separate norm, and the norm's input gradient never leaves registers.
     Returns:
-        [..., d] in cands[-1]'s dtype; differentiable in every candidate, w_norm, w_proj (and
-        norm_weight).  With carry > 0: (that tensor, [the carry pass-through views]).
+        [..., d] in cands[-1]'s dtype; differentiable in every candidate, w_norm and w_proj.  With
+        carry > 0: (that tensor, [the carry pass-through views]).
     """
     from k3.ops.attn_res.triton_attn_res import AttnResMix
 
@@ -53,9 +46,5 @@ def attn_res_mix(cands: list[torch.Tensor], w_norm: torch.Tensor, w_proj: torch.
         raise ValueError(f"candidates must be fp32 / bf16 / fp16, got {[c.dtype for c in cands]}")
     if not 0 <= carry <= len(cands):
         raise ValueError(f"carry must be in [0, {len(cands)}], got {carry}")
-    if norm_weight is not None and (norm_weight.dim() != 1 or norm_weight.numel() != d
-                                    or not norm_weight.is_floating_point()):
-        raise ValueError(f"norm_weight must be a float vector [{d}], got {norm_weight.dtype} "
-                         f"{list(norm_weight.shape)}")
-    out, *carried = AttnResMix.apply(w_norm, w_proj, float(eps), int(carry), norm_weight, float(norm_eps), *cands)
+    out, *carried = AttnResMix.apply(w_norm, w_proj, float(eps), int(carry), *cands)
     return (out, carried) if carry else out

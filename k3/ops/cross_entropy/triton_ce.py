@@ -19,11 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.cross_entropy.reference import IGNORE_INDEX, add_weight_grad
 from k3.ops.triton_utils import cvt
 
-TILE = (8192, 8)  # vocabulary block, warps per program: fastest of bench/cross_entropy.py --sweep (H200, V 32,768)
+TILE = (8192, 8)  # vocabulary block, warps per program: fastest of bench/cross_entropy.py --sweep (V 32,768)
 
 
 @triton.jit
@@ -64,9 +63,8 @@ def _ce_rows(X, LABELS, LOSS, SCALE, V, IGNORE: tl.constexpr, GRAD: tl.constexpr
 
 
 def tile() -> tuple[int, ...]:
-    """(vocabulary block, warps) per program: TILE, or env K3_CE_{BV,WARPS} (read per call, so a
-    benchmark can sweep them in one process); powers of two."""
-    return env_tile("K3_CE", ("BV", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def ce_rows(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, loss: torch.Tensor, grad: bool) -> None:

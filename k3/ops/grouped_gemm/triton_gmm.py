@@ -6,8 +6,8 @@ fp32, written (or added) straight into fp32 outputs, so the weight gradient land
 `.grad` with no bf16 round trip and no separate accumulation pass. The M rows of C may be split over two
 outputs (w1's and w3's gradients of a packed gate|up GEMM): rows < M1 go to C1, the rest to C2.
 
-(A Triton version of the forward / input-gradient GEMMs was measured too and lost to torch._grouped_mm
-by 5-40% at k3-small's shapes, K = 512-1024: docs/benchmarks.md, fifteenth session.)
+(The forward and input-gradient GEMMs stay torch._grouped_mm, which was faster at k3-small's shapes:
+docs/dev_log.md.)
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_int, env_tile
 from k3.ops.grouped_gemm.reference import check_offs
 from k3.ops.triton_utils import INTERPRETED
+
+# Weight-gradient GEMM program: (rows of C, columns of C, reduction step), warps, pipeline stages --
+# the standard Hopper tile for bf16 GEMMs (bench/grouped_gemm.py; tests set smaller tiles).
+WGRAD_TILE = (128, 128, 64)
+WGRAD_WARPS, WGRAD_STAGES = 8, 4
 
 
 @triton.jit
@@ -88,13 +92,13 @@ def gmm_wgrad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, outs: tuple[
                          f"{[o.dtype for o in outs]}")
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
-    bm, bn, bk = env_tile("K3_GMMW", ("BM", "BN", "BK"), (128, 128, 64))
+    bm, bn, bk = WGRAD_TILE
     bm, bn = min(bm, max(16, triton.next_power_of_2(M))), min(bn, max(16, triton.next_power_of_2(N)))
     while len(outs) == 2 and M1 % bm and bm > 16:  # a row tile must not straddle the two outputs
         bm //= 2
     if len(outs) == 2 and M1 % bm:
         raise ValueError(f"gmm_wgrad: the split row {M1} must be a multiple of 16")
-    warps, stages = env_int("K3_GMMW_WARPS", 8), env_int("K3_GMMW_STAGES", 4)
+    warps, stages = WGRAD_WARPS, WGRAD_STAGES
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), E)
     _gmm_wgrad[grid](a, b, outs[0], outs[-1], offs, M, N, M1, a.stride(0), b.stride(0),
                      BM=bm, BN=bn, BK=bk, ACCUMULATE=accumulate, IEEE=a.dtype == torch.float32, num_warps=warps, num_stages=stages)

@@ -21,17 +21,11 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 (W, U, qg, kg, P, per-chunk states, Vn, dR) are stored in the input dtype, which bounds bf16
 accuracy to ~0.3 % relative (fla's level).
 
-Tuning knobs (environment, read per call): K3_KDA_AP_PREC / K3_KDA_T_PREC / K3_KDA_S_PREC /
-K3_KDA_AP_PREC_BWD (dot precisions for bf16/fp16 inputs), K3_KDA_FWD_INTRA (split, default / v2 /
-v1 forward intra kernel; split: K3_KDA_BK_FWDSPLIT, K3_KDA_WARPS_FWDSPLIT, K3_KDA_NS_FWDSPLIT), K3_KDA_BK_FWD / K3_KDA_BK_BWD (key-chunk
-widths), K3_KDA_BV (value block of the sequential kernels), K3_KDA_WARPS_{INTRA,STATE,BWD},
-K3_KDA_STAGES (pipelining depth of the sequential kernels; 1 hits an illegal address on Triton 3.6
-/ H200), K3_KDA_CUMDOT / K3_KDA_CUMDOT_BWD (cumulative decay as a dot; the backward one at BK 16 with
-8 warps becomes a tf32 wgmma with N = 8 per warpgroup, which Triton 3.6 mis-pads: illegal address on
-the H200, triton-lang/triton#10629).  K3_KDA_BWD_INTRA: "split" (default; triton_bwd_split, values
-/ keys / finish kernels: K3_KDA_BK_BWDSPLIT, K3_KDA_WARPS_BWDSPLIT, K3_KDA_CUMDOT_BWDSPLIT) or
-"fused" (triton_bwd, one program per chunk and head; 1.6x slower on the H200).
-Measured effects are in docs/kda_kernels.md.
+Kernels.  Forward: the split intra-chunk kernels (triton_fwd_split: keys / A-P / finish launches of
+small programs), then the sequential state scan (triton_fwd._kda_fwd_state).  Backward: the state
+scan (triton_bwd._kda_bwd_state), then the split intra-chunk kernels (triton_bwd_split: values /
+keys / finish).  Their tiles are constants beside the kernels; the measurements behind them are in
+docs/kda_kernels.md and docs/dev_log.md.
 
 Memory (training).  The forward keeps W, P, qg, kg (input dtype), gl, T (fp32), the per-chunk
 states and Vn for the backward instead of recomputing them: about 1.5x the bytes of q, k, v, g.
@@ -40,18 +34,15 @@ Intermediates are chunk-major [chunks, H, 64, D] with the last chunk of each seq
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from k3.ops import to_device_async
-from k3.ops.backend import env_flag, env_int, env_int_opt
-from k3.ops.kda.triton_bwd import _kda_bwd_intra, _kda_bwd_state
+from k3.ops.backend import triton_runs_on
+from k3.ops.kda.triton_bwd import _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
-from k3.ops.kda.triton_fwd import _kda_fwd_intra, _kda_fwd_state
+from k3.ops.kda.triton_fwd import _kda_fwd_state
 from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
-from k3.ops.kda.triton_fwd_v2 import _kda_fwd_intra_v2
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
@@ -114,12 +105,10 @@ def _state_bv(V: int, NH: int) -> int:
     """Value-block width of the chunk-state scans (forward and backward; one program per (sequence,
     head, value block), sequential over the chunks): 64, narrower only when fewer than 64 programs
     would run.  Wider blocks load each chunk's key-side tiles (W, qg, kg, P) for fewer programs, and
-    each program's per-chunk step is the latency chain either way: on the H200 at k3-small's
-    micro-batch (65,536 tokens in 8 documents, H 8: 64 pairs) BV 64 took the forward scan from
-    0.74 ms (BV 128, 8 warps) and the backward from 1.49 ms (BV 16, the fill-the-GPU rule before) to
-    0.43 / 0.54 ms; BV 32: 0.63 / 0.87 ms.  Env K3_KDA_BV overrides."""
-    if bv := env_int_opt("K3_KDA_BV", pow2=True):
-        return min(V, bv)
+    each program's per-chunk step is the latency chain either way (measured: docs/kda_kernels.md).
+    STATE_BV, when set (tests), overrides."""
+    if STATE_BV is not None:
+        return min(V, STATE_BV)
     bv = min(V, 64)
     while bv > 16 and NH * triton.cdiv(V, bv) < 64:
         bv //= 2
@@ -127,49 +116,19 @@ def _state_bv(V: int, NH: int) -> int:
 
 
 def _fwd_state_tiles(V: int, NH: int) -> tuple[int, int]:
-    """(BV, warps) of the forward state scan: `_state_bv` on 4 warps; env K3_KDA_BV / K3_KDA_WARPS_STATE
-    override (BV 128 needs 8 warps: the whole 128 x 128 state in one program)."""
+    """(BV, warps) of the forward state scan: `_state_bv` on 4 warps (BV 128 needs 8 warps: the whole
+    128 x 128 state in one program)."""
     bv = _state_bv(V, NH)
-    return bv, _warps("STATE", 8 if bv == 128 else 4)
+    return bv, 8 if bv == 128 else 4
 
 
-def _tile(name: str, default: int, dim: int) -> int:
-    """Key-chunk width of the parallel kernels (env override K3_KDA_<name> for tuning)."""
-    return min(dim, env_int(f"K3_KDA_{name}", default, pow2=True))
-
-
-def _flag(name: str, default: bool) -> bool:
-    """Boolean kernel switch (env K3_KDA_<name> = 0 / 1 for tuning; other values raise)."""
-    return env_flag(f"K3_KDA_{name}", default)
-
-
-def _warps(name: str, default: int) -> int:
-    return env_int(f"K3_KDA_WARPS_{name}", default, pow2=True)
-
-
-def _stages() -> int:
-    """Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are
-    issued while the current one computes)."""
-    return env_int("K3_KDA_STAGES", 2)
-
-
-def _fwd_intra_version() -> str:
-    """Forward intra-chunk kernel: "split" (triton_fwd_split, default: keys / A-P / finish launches
-    of small programs; H200 B1 T8192 H96: 1.96 ms), "v2" (triton_fwd_v2: one program per chunk
-    and head, 2-D dots only; 2.12 ms) or "v1" (triton_fwd; 2.19 ms).  Env K3_KDA_FWD_INTRA, read
-    per call."""
-    ver = os.environ.get("K3_KDA_FWD_INTRA", "split")
-    if ver not in ("v1", "v2", "split"):
-        raise ValueError(f"K3_KDA_FWD_INTRA must be v1, v2 or split, got {ver!r}")
-    return ver
-
-
-def _bwd_intra_impl() -> str:
-    """Backward intra-chunk kernels: "split" (default) or "fused".  Env K3_KDA_BWD_INTRA, per call."""
-    impl = os.environ.get("K3_KDA_BWD_INTRA", "split")
-    if impl not in ("split", "fused"):
-        raise ValueError(f"K3_KDA_BWD_INTRA must be split or fused, got {impl!r}")
-    return impl
+STATE_BV: int | None = None  # value block of the state scans; None: `_state_bv`'s rule (tests set one)
+# Software-pipelining depth of the sequential kernels' chunk loop (loads of later chunks are issued
+# while the current one computes; 1 hit an illegal address with Triton 3.6 on Hopper).
+STAGES = 2
+BWD_STATE_WARPS = 4
+# Dot precisions for bf16 / fp16 inputs (see `_precisions`): forward A/P, UT inverse, state / value, backward A/P
+HALF_PRECISIONS = ("tf32r", "tf32r", "half", "tf32x3")
 
 
 def _precisions(dtype: torch.dtype) -> tuple[str, str, str, str]:
@@ -182,13 +141,11 @@ def _precisions(dtype: torch.dtype) -> tuple[str, str, str, str]:
     heavy cancellation and then the gate-parameter sums, run at "tf32x3".  Measured under the
     emulating interpreter (fp16, T 100, K = V = 64): ddt_bias 1.5e-2 -> 3.8e-4 and dg 2.5e-3 ->
     3.7e-4 relative when only the backward A/P dots move from tf32r to tf32x3; the forward A/P and
-    inverse precision change neither.  Env overrides K3_KDA_AP_PREC, K3_KDA_T_PREC, K3_KDA_S_PREC,
-    K3_KDA_AP_PREC_BWD ("tf32", "tf32r", "tf32x3", "ieee"; S also "half")."""
+    inverse precision change neither.  HALF_PRECISIONS holds the bf16 / fp16 choice ("tf32", "tf32r",
+    "tf32x3", "ieee"; S also "half")."""
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3", "tf32x3"
-    env = os.environ.get
-    return (env("K3_KDA_AP_PREC", "tf32r"), env("K3_KDA_T_PREC", "tf32r"), env("K3_KDA_S_PREC", "half"),
-            env("K3_KDA_AP_PREC_BWD", "tf32x3"))
+    return HALF_PRECISIONS
 
 
 def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale, lower_bound,
@@ -197,7 +154,6 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
     NC, N = meta.NC, meta.N
-    gate = A_log is not None
     # chunk-major padded intermediates [NC, H, 64, D] (see triton_common)
     W = torch.empty(NC, H, CHUNK, K, device=dev, dtype=dt)
     QG = torch.empty_like(W)
@@ -209,49 +165,13 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     ap, tp, sp, _ = _precisions(dt)
     lb = float(lower_bound)  # _validate guarantees a bound in [-5, 0)
     dummy = GL
-    bv_intra = min(V, 64)
-    ver = _fwd_intra_version()
-    if NC > 0 and ver == "split":
-        # triton_fwd_split: Tm is the A / inverse scratch even without training (knobs
-        # K3_KDA_BK_FWDSPLIT, K3_KDA_WARPS_FWDSPLIT, K3_KDA_NS_FWDSPLIT, see split_tiles)
+    if NC > 0:
+        # triton_fwd_split: Tm is the A / inverse scratch even without training (tiles: split_tiles)
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         kda_fwd_intra_split(
             q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale,
             lb, l2, bsig, training, ap, tp,
-            # cumulative decay by scan here (K3_KDA_CUMDOT=1: tf32x3 dot): the keys kernel is
-            # faster with the scan on the H200 (0.31 vs 0.35 ms) and the scan is exact fp32
-            _flag("CUMDOT", False), _flag("V2_RADD", True),
-        )
-    elif NC > 0 and ver == "v2":
-        # v2 (triton_fwd_v2): Tm is its fp32 scratch even without training; beta k e^G waits in an
-        # fp32 buffer between the key pass and W = T Xw (W itself when W is fp32).  BK <= 64, and
-        # always 4 warps (K3_KDA_WARPS_INTRA is not read): with 8 its N = 16 tf32 dots would be
-        # split into N = 8 wgmma, which Triton 3.6 mis-pads (triton-lang/triton#10629).
-        # K3_KDA_V2_RADD=0: "tf32r" operands rounded by add + mask instead of the add alone.
-        if not training:
-            Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        XW = W if dt == torch.float32 else torch.empty(NC, H, CHUNK, K, device=dev, dtype=torch.float32)
-        # K3_KDA_MAXNREG_INTRA caps the registers (e.g. 168: 3 CTAs per SM instead of 2, with
-        # spills; a tuning experiment, GPU only)
-        reg = env_int_opt("K3_KDA_MAXNREG_INTRA")
-        extra = {"maxnreg": reg} if reg else {}
-        _kda_fwd_intra_v2[(NC, H)](
-            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            W, U, P, QG, KG, GL, Tm, XW, meta.cu_seqlens, meta.chunk_info,
-            scale, lb,
-            H=H, K=K, V=V, BK=min(_tile("BK_FWD", 32, K), 64), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
-            RADD=_flag("V2_RADD", True), num_warps=4, num_stages=1, **extra,
-        )
-    elif NC > 0:
-        _kda_fwd_intra[(NC, H)](
-            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            W, U, P, QG, KG, GL, Tm, meta.cu_seqlens, meta.chunk_info,
-            scale, lb,
-            H=H, K=K, V=V, BK=_tile("BK_FWD", 32, K), BV=bv_intra, GATE=gate, L2=l2, BSIG=bsig,
-            STORE_T=training, AP_PREC=ap, T_PREC=tp, CUMDOT=_flag("CUMDOT", True),
-            num_warps=_warps("INTRA", 4), num_stages=1,
         )
     o = torch.empty(B, T, H, V, device=dev, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -264,7 +184,7 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
         Hs if training else dummy, VN if training else dummy,
         meta.cu_seqlens, meta.chunk_offsets,
         H=H, K=K, V=V, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=training,
-        PREC=sp, STAGES=_stages(), num_warps=warps,
+        PREC=sp, STAGES=STAGES, num_warps=warps,
     )
     saved = (W, P, QG, KG, GL, Tm, Hs, VN) if training else None
     return o, ht, saved
@@ -290,39 +210,24 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     _kda_bwd_state[(N * H, triton.cdiv(V, BV))](
         P, QG, KG, W, Tm, GL, beta, do, dht.float().contiguous() if dht is not None else dummy, dh0, DH, DR, dv,
         meta.cu_seqlens, meta.chunk_offsets,
-        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, BSIG=bsig, PREC=sp, T_PREC=tp, STAGES=_stages(),
-        num_warps=_warps("STATE", 4),
+        H=H, K=K, V=V, BV=BV, USE_DHT=dht is not None, BSIG=bsig, PREC=sp, T_PREC=tp, STAGES=STAGES,
+        num_warps=BWD_STATE_WARPS,
     )
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
-    if NC > 0 and _bwd_intra_impl() == "split":
+    if NC > 0:
         dA_log, ddt = kda_bwd_intra_split(
             q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta, meta, scale,
             lb, l2, bsig, apb, sp)
         if gate:
             dA_log, ddt = dA_log.to(A_log.dtype), ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
         return dq, dk, dv, dg, dbeta, dA_log, ddt, (dh0 if need_dh0 else None)
-    dA_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
-    ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
-    bk = _tile("BK_BWD", 16, K)
-    dk32 = torch.empty(B * T, H, K, device=dev, dtype=torch.float32) if (l2 and bk < K) else dummy
-    if NC > 0:
-        _kda_bwd_intra[(NC, H)](
-            q, k, v, g, beta, A_log if gate else dummy, dt_bias if gate else dummy,
-            Hs, DH, VN, DR, do, o, dk32, dq, dk, dg, dbeta, dA_part, ddt_part,
-            meta.cu_seqlens, meta.chunk_info, scale,
-            lb,
-            H=H, K=K, V=V, BK=bk, BV=min(V, 64), GATE=gate, L2=l2, BSIG=bsig,
-            AP_PREC=apb, S_PREC=sp, CUMDOT=_flag("CUMDOT_BWD", False),
-            num_warps=_warps("BWD", 8 if K >= 128 else 4), num_stages=1,
-        )
-    else:
-        for t in (dq, dk, dg, dbeta):
-            t.zero_()
-    dA_log = dA_part.sum(0).to(A_log.dtype) if gate else None
-    ddt = ddt_part.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if gate else None
+    for t in (dq, dk, dg, dbeta):
+        t.zero_()
+    dA_log = torch.zeros(H, device=dev, dtype=torch.float32).to(A_log.dtype) if gate else None
+    ddt = torch.zeros(H, K, device=dev, dtype=torch.float32).reshape(dt_bias.shape).to(dt_bias.dtype) if gate else None
     return dq, dk, dv, dg, dbeta, dA_log, ddt, (dh0 if need_dh0 else None)
 
 
@@ -382,7 +287,7 @@ def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_s
             raise ValueError(f"dt_bias must have {H * K} elements, got {dt_bias.numel()}")
     elif dt_bias is not None:
         raise ValueError("dt_bias given without A_log")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if q.device.type == "cpu" and not triton_runs_on(q):
         raise ValueError("triton KDA on CPU tensors needs TRITON_INTERPRET=1 (set before importing k3.ops.kda.chunk)")
 
 

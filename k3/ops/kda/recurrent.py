@@ -15,13 +15,12 @@ CUDA graph.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_int, env_int_opt
+from k3.ops.backend import triton_runs_on
 
 __all__ = ["fused_recurrent_kda", "commit_states"]
 
@@ -126,16 +125,19 @@ def _check(q, k, v, g, beta, state_pool, state_indices, A_log, dt_bias, lower_bo
             raise ValueError(f"lower_bound must be in [-5, 0), got {lower_bound}")
     elif dt_bias is not None or lower_bound is not None:
         raise ValueError("dt_bias / lower_bound are only meaningful with A_log (in-kernel gate)")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if q.device.type == "cpu" and not triton_runs_on(q):
         raise ValueError("triton KDA decode on CPU tensors needs TRITON_INTERPRET=1")
 
 
+DEC_BV: int | None = None  # value block of the decode kernel; None: `_bv`'s rule (tests set one)
+DEC_WARPS = 4
+
+
 def _bv(V: int, programs: int) -> int:
-    """Value-block width: 64, narrower while that leaves fewer than 4 programs per SM; env
-    K3_KDA_DEC_BV overrides.  Measured on the H200 (H96 K=V=128, 4 warps, CUDA graph): BV 64 moves
-    the state at 87-91 % of the copy bandwidth for B 64-256, BV 32 at 79-81 %, BV 16 at 47 %."""
-    if bv := env_int_opt("K3_KDA_DEC_BV", pow2=True):
-        return min(V, bv)
+    """Value-block width: 64, narrower while that leaves fewer than 4 programs per SM (wider blocks move
+    the state closer to the copy bandwidth, docs/kda_kernels.md); DEC_BV, when set, overrides."""
+    if DEC_BV is not None:
+        return min(V, DEC_BV)
     bv = min(V, 64)
     while bv > 16 and programs * (V // bv) < 528:
         bv //= 2
@@ -188,7 +190,7 @@ def fused_recurrent_kda(
         scale, float(lower_bound or 0.0), T,
         H=H, K=K, V=V, BV=BV, GATE=gate, L2=bool(use_qk_l2norm_in_kernel),
         BSIG=bool(use_beta_sigmoid_in_kernel), WRITE=bool(write_state), INTER=inter is not None,
-        num_warps=env_int("K3_KDA_DEC_WARPS", 4, pow2=True),
+        num_warps=DEC_WARPS,
     )
     return o, inter
 

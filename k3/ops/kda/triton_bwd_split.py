@@ -1,8 +1,7 @@
 """Split KDA backward intra-chunk kernels (Triton): small programs, 2-D dots only.
 
-Replacement for `_kda_bwd_intra` (triton_bwd.py), selected with env K3_KDA_BWD_INTRA=split; same
-inputs (saved per-chunk state S, its gradient DH, Vn, dR from `_kda_bwd_state`) and the same
-outputs.  Three launches:
+Inputs: the saved per-chunk state S, its gradient DH, Vn, dR from `_kda_bwd_state` (triton_bwd.py);
+outputs dq, dk, dg, dbeta (and the gate-parameter sums).  Three launches:
 
   1. `_kda_bwd_values`, grid (chunks, H): dP = dO Vn^T (kept for t >= s) and dA = -dR Vn^T
      (t > s), stored fp32 chunk-major to DPA [NC, H, 2, 64, 64]; per-row vectors to ROWS
@@ -23,10 +22,7 @@ outputs.  Three launches:
      fp32 scratch WS [NC, H, 64, K] (this program's own [64, BK] block, re-read after a barrier:
      bit-identical to the registers' G), the column results through a second one, WC, so that the
      loop needs no barrier and Triton software-pipelines its loads (num_stages 2, as the state loop's;
-     ncu showed the kernel waiting on those loads with 2 programs of 255 registers per SM).  H200,
-     k3-small's shape: 3.42 -> 3.18 ms with pre-gated g, unchanged (3.68 ms) with the gate in the
-     kernel, the model's call, which then spills 128 B (docs/kda_kernels.md; env K3_KDA_COLWS=0 /
-     K3_KDA_AP_STAGES / K3_KDA_S_STAGES_BWDSPLIT for the old ways).  Then the state terms
+     docs/kda_kernels.md).  Then the state terms
      dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T (bf16 / fp16 dots), dG, the reverse
      cumsum to dg, the gate backward; row sums that need all K (beta's key share, k_hat . dk_hat)
      are written per key chunk to PART [NC, H, K/BK, 2, 64] (deterministic: no atomics).
@@ -63,7 +59,6 @@ from k3.ops.kda.triton_common import (
     _tf32_round,
     _tf32_trunc,
 )
-from k3.ops.backend import env_flag, env_int, env_int_opt
 
 
 @triton.jit
@@ -140,7 +135,7 @@ def _kda_bwd_keys(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
     AP_PREC: tl.constexpr, S_PREC: tl.constexpr, CUMDOT: tl.constexpr, HAND: tl.constexpr,
-    COLWS: tl.constexpr, AP_STAGES: tl.constexpr, AP_UNROLL: tl.constexpr, S_STAGES: tl.constexpr,
+    AP_STAGES: tl.constexpr, AP_UNROLL: tl.constexpr, S_STAGES: tl.constexpr,
 ):
     """Every key-side gradient of key columns [i_k BK, i_k BK + BK) of one (chunk, head).
 
@@ -199,7 +194,7 @@ def _kda_bwd_keys(
     kbase = k + row64 * K + col0
     acc_q = tl.zeros([64, BK], dtype=tl.float32)
     acc_a = tl.zeros([64, BK], dtype=tl.float32)
-    wc = WC + tile * (64 * K) + col0 if COLWS else ws
+    wc = WC + tile * (64 * K) + col0
     for j in tl.range(0, 4, num_stages=AP_STAGES, loop_unroll_factor=AP_UNROLL):
         r0 = j * 16
         m = tl.load(ws + (r0 + 7) * K + o_c)
@@ -213,8 +208,6 @@ def _kda_bwd_keys(
         acc_a += F * _dot3(tl.load(dpa + 4096 + r0 + o_row), kc_j, AP_PREC, HAND)
         c_j = _dot3(tl.load(dpa + r0 + o_col), qs * F, AP_PREC, HAND) \
             + _dot3(tl.load(dpa + 4096 + r0 + o_col), kb * F, AP_PREC, HAND)
-        if not COLWS:  # block j's rows of G are dead from here on (read above by every thread)
-            tl.debug_barrier()
         tl.store(wc + r0 * K + o_ws, e_j * c_j)
     tl.debug_barrier()
     dkc = tl.load(wc + offs)
@@ -310,14 +303,17 @@ def _kda_bwd_finish(
             _st(dk, row64, nr, kc * BK, rk[:, None] * (dkh - b_k * rowk[:, None]), H, K, BK)
 
 
-def split_tiles(K: int) -> tuple[int, int]:
-    """(BK, warps) of the key kernel; env K3_KDA_BK_BWDSPLIT / K3_KDA_WARPS_BWDSPLIT override.
+# (BK, warps) of the key kernel: a [64, 32] fp32 tile is 16 registers per thread, so the ~10 live tiles
+# leave room for 2-3 programs per SM, and every tf32 dot has N = 32 on its one warpgroup (tests set others).
+TILES = (32, 4)
+# Software pipelining of the key kernel's A/P and state loops (the column results go to their own scratch WC).
+AP_STAGES, AP_UNROLL, S_STAGES = 2, 1, 2
 
-    Default BK 32 / 4 warps: a [64, 32] fp32 tile is 16 registers per thread, so the ~10 live
-    tiles leave room for 2-3 programs per SM, and every tf32 dot has N = 32 on its one
-    warpgroup."""
-    bk = min(K, env_int("K3_KDA_BK_BWDSPLIT", 32, pow2=True))
-    warps = env_int("K3_KDA_WARPS_BWDSPLIT", 4, pow2=True)
+
+def split_tiles(K: int) -> tuple[int, int]:
+    """(BK, warps) of the key kernel for key dim K: TILES, BK capped at K, read at call time."""
+    bk, warps = TILES
+    bk = min(K, bk)
     if bk < 4 * warps:
         raise ValueError(f"split backward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
@@ -350,25 +346,18 @@ def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o,
         q, k, v, do, o, VN, DR, DPA, ROWS, meta.cu_seqlens, meta.chunk_info,
         H=H, K=K, V=V, BK=min(K, 64), BV=bv, L2=l2, S_PREC=s_prec, num_warps=4,
     )
-    # cumulative decay as a tf32x3 dot with the 0/1 triangle: 4% faster fwd+bwd on the H200 (B1 T8192
-    # H96: 10.85 vs 11.29 ms) with bf16 errors unchanged to 3 digits; fp32 inputs keep the scan
-    # (interpreter: dk 7e-6 vs 4e-7 relative with the dot)
+    # bf16 / fp16: cumulative decay as a tf32x3 dot with the 0/1 triangle (faster, bf16 errors unchanged
+    # to 3 digits); fp32 inputs keep the scan (more accurate there)
     half = q.dtype != torch.float32
-    # K3_KDA_MAXNREG_BWDSPLIT caps the key kernel's registers (more programs per SM, maybe spills;
-    # a tuning experiment, GPU only)
-    reg = env_int_opt("K3_KDA_MAXNREG_BWDSPLIT")
-    extra = {"maxnreg": reg} if reg else {}
-    cumdot = env_flag("K3_KDA_CUMDOT_BWDSPLIT", half)
-    colws = env_flag("K3_KDA_COLWS", True)
-    WC = torch.empty(NC, H, 64, K, **f32) if colws else WS
+    cumdot = half
+    WC = torch.empty(NC, H, 64, K, **f32)
     _kda_bwd_keys[(NC * nk, H)](
         q, k, g, beta, A_log if gate else ROWS, dt_bias if gate else ROWS, Hs, DH, VN, DR, do, DPA,
         ROWS, WS, WC, dq, dk, dg, PART, dA_part, ddt_part, meta.cu_seqlens, meta.chunk_info,
         scale, lower_bound,
         H=H, K=K, V=V, BK=bk, BV=bv, GATE=gate, L2=l2, BSIG=bsig, AP_PREC=ap_prec, S_PREC=s_prec,
-        CUMDOT=cumdot, HAND=half, COLWS=colws, AP_STAGES=env_int("K3_KDA_AP_STAGES", 2),
-        AP_UNROLL=env_int("K3_KDA_AP_UNROLL", 1),
-        S_STAGES=env_int("K3_KDA_S_STAGES_BWDSPLIT", 2), num_warps=warps, num_stages=1, **extra,
+        CUMDOT=cumdot, HAND=half, AP_STAGES=AP_STAGES, AP_UNROLL=AP_UNROLL,
+        S_STAGES=S_STAGES, num_warps=warps, num_stages=1,
     )
     _kda_bwd_finish[(NC, H)](
         k, beta, ROWS, PART, WS, dk, dbeta, meta.cu_seqlens, meta.chunk_info,

@@ -1,6 +1,6 @@
 """Triton building blocks shared by the chunked KDA kernels (forward, backward).
 
-Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
+Conventions used by every chunked KDA kernel:
   * chunk size 64 = 4 sub-blocks of 16 rows; the key dimension is processed in column chunks of
     BK (decay, cumulative decay and the factorised exponentials are per channel, so key chunks are
     independent; only the L2 norm needs whole rows: a pre-pass);
@@ -12,7 +12,7 @@ Conventions used by every kernel in triton_fwd.py / triton_bwd.py:
     (they are computed from zero-masked inputs), so the sequential kernels load whole contiguous
     tiles with no masks (pipelinable, no per-row bounds);
   * G is the within-chunk inclusive cumulative log-decay (a scan, or a dot with the 0/1 lower
-    triangle, see _cumdecay);
+    triangle);
   * mid[i] = G at row 16 i + 7 (the middle of sub-block i) is the reference of the factorised
     exponentials  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s)  for row block i.  With a
     per-step log-decay >= -5 both factors stay within exp(+-40) for s, t inside block i, and for
@@ -174,32 +174,6 @@ def _gate(graw, A_log, dt_bias, i_h, col0, m_t, lower_bound, K: tl.constexpr, BK
         return tl.where(m_t[:, None], lower_bound / (1.0 + _exp(-a * (graw + bias[None, :]))), 0.0)
     else:
         return graw
-
-
-@triton.jit
-def _cumdecay(b_g, BK: tl.constexpr, CUMDOT: tl.constexpr):
-    """Within-chunk cumulative decay of the log-decay chunk b_g [64, BK].
-
-    Returns G3 [4,16,BK] and G [64,BK] (inclusive cumulative sum), mid [4,BK] (G at the middle
-    row 16 i + 7 of block i) and gl [BK] (= G row 63).
-    With CUMDOT the cumulative sum is a dot with the lower-triangular ones matrix at tf32x3 (exact
-    0/1 left operand, so about fp32 accuracy): a scan along rows spread over threads and warps costs
-    many shuffles and barriers; the tensor cores do it in a few instructions."""
-    o16 = tl.arange(0, 16)
-    if CUMDOT:
-        o_t = tl.arange(0, 64)
-        G = _dot((o_t[None, :] <= o_t[:, None]).to(tl.float32), b_g, "tf32x3")
-        G3 = tl.reshape(G, (4, 16, BK))
-    else:
-        g3 = tl.reshape(b_g, (4, 16, BK))
-        G3 = tl.cumsum(g3, axis=1)
-        bs = tl.sum(g3, axis=1)
-        G3 += (tl.cumsum(bs, axis=0) - bs)[:, None, :]
-        G = tl.reshape(G3, (64, BK))
-    # gl must be G's last row bit for bit: kg = k e^(gl - G) is exactly k there
-    gl = tl.sum(tl.where((tl.arange(0, 64) == 63)[:, None], G, 0.0), axis=0)
-    mid = tl.sum(tl.where((o16 == 7)[None, :, None], G3, 0.0), axis=1)
-    return G3, G, mid, gl
 
 
 @triton.jit

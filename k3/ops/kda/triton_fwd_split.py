@@ -1,18 +1,15 @@
 """Split KDA forward intra-chunk kernels (Triton): small programs, 2-D dots only.
 
-Replacement for `_kda_fwd_intra_v2` (triton_fwd_v2.py), selected with env K3_KDA_FWD_INTRA=split;
-same inputs and the same outputs (W, U, P, QG, KG, GL and, when training, the transposed T in Tm;
-same dtypes, chunk-major padded layouts, varlen, in-kernel gate, L2 norm, sigmoid beta, precision
-knobs).  v2 runs one latency-bound program per (chunk, head) (~250 registers, 2 CTAs per SM, the
-key loop, the inverse and W / U in one dependent chain); here the work is cut into three launches
-whose programs are short and light (76-161 registers), so that more of them share an SM and hide
-each other's latency:
+Outputs W, U, P, QG, KG, GL and, when training, the transposed T in Tm (chunk-major padded layouts,
+varlen, in-kernel gate, L2 norm, sigmoid beta).  The work is cut into three launches whose programs
+are short and light, so that several share an SM and hide each other's latency (one program per
+(chunk, head) doing everything is latency-bound; docs/kda_kernels.md):
 
   1. `_kda_fwd_keys`, grid (chunks * K/BK, H), key chunk fastest: for its BK columns the gate and
      the cumulative decay G -> GS [NC, H, 64, K] fp32 (for bf16 / fp16 inputs as G log2 e, see
-     triton_fwd_v2._ex), gl -> GL.  Reads g only.
+     triton_fwd_blocks._ex), gl -> GL.  Reads g only.
   2. `_kda_fwd_ap`, grid (chunks * 4, H), row block fastest: row block i (rows 16 i .. 16 i + 15)
-     of P and A over all key columns with v2's transposed row-block dots (reference
+     of P and A over all key columns with the transposed row-block dots (reference
      mid_i = G[16 i + 7]):
          X[:, block i] += (k e^(mid_i - G))[64, BK] @ ([q_i | k_i] e^(G_i - mid_i))^T [BK, 32]
      G read back from GS (the bits the keys kernel wrote).  Splitting by row block instead of by
@@ -23,9 +20,8 @@ each other's latency:
      (input dtype), A rows (fp32, ABUF = the Tm tile unless NS > 1), ROWS [NC, H, 4, 64] fp32 =
      (1/||k||, scale/||q||, beta/||k||, beta) for the rows of block i, and qg = scale q e^G / ||q||,
      kg = k e^(gl - G) / ||k|| for the rows of block i (a second pass over the key chunks).
-  3. `_kda_fwd_finish`, grid (chunks * NS, H): v2's exact three-level UT inverse (`_ut_inverse`),
-     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS: v2
-     stores it) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
+  3. `_kda_fwd_finish`, grid (chunks * NS, H): the exact three-level UT inverse (`_ut_inverse`),
+     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
      inverse (A then in its own buffer ABUF, a private 4 KB workspace INVW each) and take every
      NS-th column block of W / U (W blocks first, then U).
 
@@ -54,15 +50,13 @@ from k3.ops.kda.triton_common import (
     _ld,
     _stc,
 )
-from k3.ops.backend import env_int
-from k3.ops.kda.triton_fwd_v2 import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
+from k3.ops.kda.triton_fwd_blocks import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
 
 
 @triton.jit
 def _kda_fwd_keys(
     g, A_log, dt_bias, GL, GS, cu_seqlens, chunk_info, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, CUMDOT: tl.constexpr,
-    RADD: tl.constexpr, ACC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, ACC: tl.constexpr,
 ):
     """Key columns [i_k BK, i_k BK + BK) of one (chunk, head): the gate and the cumulative decay
     G -> GS [64, BK] (fp32, scratch domain: G for fp32 inputs (ACC), G log2 e otherwise), gl = G's
@@ -77,7 +71,7 @@ def _kda_fwd_keys(
     o_c = tl.arange(0, BK)
     b_g = _gate(_ld(g, row64, nr, col0, H, K, BK).to(tl.float32), A_log, dt_bias, i_h, col0, o_t < nr,
                 lower_bound, K, BK, GATE)
-    G = _cumdecay_scr(b_g, CUMDOT, RADD, ACC)
+    G = _cumdecay_scr(b_g, ACC)
     tl.store(GS + tile * (64 * K) + o_t[:, None] * K + col0 + o_c[None, :], G)
     # gl: G's last row bit for bit (the A-P kernel reads it back from GS for kg = k e^(gl - G))
     gl = tl.sum(tl.where((o_t == 63)[:, None], G, 0.0), axis=0)
@@ -91,7 +85,7 @@ def _kda_fwd_keys(
 def _kda_fwd_ap(
     q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu_seqlens, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
-    AP_PREC: tl.constexpr, RADD: tl.constexpr,
+    AP_PREC: tl.constexpr,
 ):
     """Rows 16 i .. 16 i + 15 (row block i) of: P [64, 64] (input dtype, causal incl. the diagonal),
     the strictly lower A (fp32, ABUF tile, row stride 64), qg = scale q e^G / ||q|| and
@@ -110,7 +104,7 @@ def _kda_fwd_ap(
     sk = tl.zeros([64], dtype=tl.float32)
     sqk = tl.zeros([32], dtype=tl.float32)
     for kc in range(K // BK):
-        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, K, AP_PREC, ACC, RADD)
+        dX, dsk, dsqk = _rowblock(gs + kc * BK, q, k, row64, nr, kc * BK, i, H, K, BK, K, AP_PREC, ACC)
         X += dX
         if L2:
             sk += dsk
@@ -166,7 +160,7 @@ def _kda_fwd_ap(
 def _kda_fwd_finish(
     k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu_seqlens, chunk_info,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr, RADD: tl.constexpr,
+    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr,
 ):
     """T = (I + A)^-1 (T^T -> Tm when STORE_T), W = T Xw [64, K], U = T beta v [64, V]; program j of
     the NS programs of a (chunk, head) writes the column blocks b (W blocks first, then U) with
@@ -179,9 +173,9 @@ def _kda_fwd_finish(
     o_c = tl.arange(0, BK)
     ACC: tl.constexpr = k.dtype.element_ty == tl.float32
     if NS == 1:
-        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC, RADD)
+        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC)
     else:
-        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC, RADD)
+        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC)
     if STORE_T:  # transposed: the backward needs T^T dVn
         if NS == 1:
             tl.debug_barrier()  # the inverse's workspace reads are done
@@ -198,30 +192,33 @@ def _kda_fwd_finish(
             # Xw = beta k e^G / ||k|| (as v2 writes it), rebuilt from G in GS
             b_kn = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
             G = tl.load(gs + o_t[:, None] * K + kc * BK + o_c[None, :])
-            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC, RADD), K, BK)
+            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC), K, BK)
     for vc in tl.static_range(V // BV):
         if (K // BK + vc) % NS == j:
             b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC, RADD), V, BV)
+            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC), V, BV)
+
+
+# (BK: key-chunk width, at most 64; warps of the keys / A-P kernels; NS: finish programs per chunk and
+# head), the fastest measured (docs/kda_kernels.md); tests set others.
+TILES = (32, 4, 1)
 
 
 def split_tiles(K: int) -> tuple[int, int, int]:
-    """(BK, warps of the keys / A-P kernels, NS); env K3_KDA_BK_FWDSPLIT (default 32, at most 64),
-    K3_KDA_WARPS_FWDSPLIT (default 4), K3_KDA_NS_FWDSPLIT (default 1) override."""
-    bk = min(K, 64, env_int("K3_KDA_BK_FWDSPLIT", 32, pow2=True))
-    warps = env_int("K3_KDA_WARPS_FWDSPLIT", 4, pow2=True)
-    ns = env_int("K3_KDA_NS_FWDSPLIT", 1)
+    """(BK, warps, NS) for key dim K: TILES, BK capped at min(K, 64), read at call time."""
+    bk, warps, ns = TILES
+    bk = min(K, 64, bk)
     if bk < 4 * warps:
         raise ValueError(f"split forward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
     if ns < 1:
-        raise ValueError(f"K3_KDA_NS_FWDSPLIT must be >= 1, got {ns}")
+        raise ValueError(f"split forward: NS must be >= 1, got {ns}")
     return bk, warps, ns
 
 
 def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale: float,
                         lower_bound: float, l2: bool, bsig: bool, store_t: bool, ap_prec: str,
-                        t_prec: str, cumdot: bool, radd: bool):
+                        t_prec: str):
     """Launch the three split kernels; fills W, U, P, QG, KG, GL and Tm (fp32 [NC, H, 64, 64], T^T
     when store_t, else scratch) in place.  Inputs: q, k [B, T, H, K], v [B, T, H, V], g, beta as
     chunk_kda receives them (contiguous); W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64,
@@ -245,14 +242,14 @@ def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, T
     cu, ci = meta.cu_seqlens, meta.chunk_info
     _kda_fwd_keys[(NC * (K // bk), H)](
         g, A_log if gate else ROWS, dt_bias if gate else ROWS, GL, GS, cu, ci, lower_bound,
-        H=H, K=K, BK=bk, GATE=gate, CUMDOT=cumdot, RADD=radd, ACC=q.dtype == torch.float32,
+        H=H, K=K, BK=bk, GATE=gate, ACC=q.dtype == torch.float32,
         num_warps=warps, num_stages=1,
     )
     _kda_fwd_ap[(NC * 4, H)](
         q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu, ci, scale, H=H, K=K, BK=bk, L2=l2, BSIG=bsig,
-        AP_PREC=ap_prec, RADD=radd, num_warps=warps, num_stages=1,
+        AP_PREC=ap_prec, num_warps=warps, num_stages=1,
     )
     _kda_fwd_finish[(NC * ns, H)](
         k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu, ci, H=H, K=K, V=V, BK=bk, BV=min(V, 64), NS=ns,
-        STORE_T=store_t, T_PREC=t_prec, RADD=radd, num_warps=4, num_stages=1,
+        STORE_T=store_t, T_PREC=t_prec, num_warps=4, num_stages=1,
     )

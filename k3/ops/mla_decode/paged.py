@@ -19,12 +19,12 @@ as flash attention does: about 3 significant digits per product, see the tests' 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from k3.ops.backend import triton_runs_on
 from k3.ops.kda.triton_common import INTERPRETED, _cvt
 
 __all__ = ["paged_mla_decode", "default_num_splits"]
@@ -180,7 +180,7 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_ta
             raise ValueError(f"{name} is on {t.device}, q_lat on {q_lat.device}: all inputs need one device")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if q_lat.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if q_lat.device.type == "cpu" and not triton_runs_on(q_lat):
         raise ValueError("paged_mla_decode on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= 1024):
         raise ValueError(f"num_splits must be an integer in [1, 1024] or None, got {num_splits!r}")

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
 TILE = (32, 4)  # tokens, warps per program
@@ -66,8 +65,8 @@ def _mla_kv_bwd(DK, DV, DKV, DPE, T, s_dk_b, s_dk_t, s_dk_h, s_dv_b, s_dv_t, s_d
 
 
 def _tile() -> tuple[int, int]:
-    """(tokens, warps) per program: TILE or env K3_MLAKV_{BT,WARPS} (read per call; powers of two)."""
-    return env_tile("K3_MLAKV", ("BT", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _strides(g: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

@@ -1,8 +1,7 @@
 """MoE combine as Triton kernels (see k3.ops.moe_combine for the maths and the layout).
 
-Why: Inductor's fused gather-multiply-sum moved ~0.6 GB in 0.71 ms per k3-small MoE layer at 64K
-tokens (~0.8 TB/s) in the ninth session's profile, one index load per output element per choice.
-Here a program owns BN tokens x BL columns: it loads each choice's BN slot indices and weights once,
+Why: Inductor's fused gather-multiply-sum does one index load per output element per choice, far
+below the bandwidth (docs/dev_log.md). Here a program owns BN tokens x BL columns: it loads each choice's BN slot indices and weights once,
 gathers BN row segments of y, and accumulates in fp32 in the order j = 0 .. k-1 (the reference's).
 """
 
@@ -12,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
-TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of bench/moe_combine.py --sweep (H200)
+TILE = (4, 512, 4)  # tokens, columns, warps per program: among the fastest of bench/moe_combine.py --sweep
 
 
 @triton.jit
@@ -72,9 +70,8 @@ def _dispatch_fwd(Z, INV, OUT, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.c
 
 
 def tile() -> tuple[int, ...]:
-    """(tokens, columns, warps) per program: TILE, or env K3_COMBINE_{BN,BL,WARPS} (read per call, so
-    bench/moe_combine.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_COMBINE", ("BN", "BL", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _grid(N: int, L: int) -> tuple[tuple[int, int], int, int, int]:

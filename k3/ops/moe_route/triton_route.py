@@ -1,9 +1,7 @@
 """MoE routing bookkeeping as Triton kernels (see k3.ops.moe_route for the contracts).
 
-Why: in the ninth session's k3-small profile (65,536 tokens, 11 MoE layers) `aten::topk` on the
-[65536, 64] fp32 choice took 0.24 ms per layer and the stable argsort of the 524,288 flattened ids
-0.1 ms, plus the inverse scatter and the expert counts: ~4-5 ms per micro-batch of bookkeeping that
-moves a few MB.
+Why: torch's topk, stable argsort, inverse scatter and expert counts cost milliseconds per micro-batch
+for bookkeeping that moves a few MB (docs/dev_log.md).
 
 Top-k: a program owns BN rows. Each choice value becomes an integer that orders like the float
 (sign-magnitude flipped; -0.0 folded onto +0.0, every NaN above +inf, as torch sorts), packed with
@@ -17,11 +15,8 @@ Slot sort, a stable counting sort in three launches, no atomics and no host sync
   3. `_block_scatter`: a block sorts its keys id*B + i (unique, so stable) in registers; the slot at
      sorted position i of the block, of expert e, lands at start of e + slots of e in earlier blocks
      + i - slots of smaller experts in this block (these sort first in it).
-On the H200 (Triton 3.6; the sort's one-hot alternative, ranks by a running column cumsum of a
-[slots, E] tile, was as fast at E = 64 and 3x slower at E = 896) per k3-small layer: top-k 0.03 ms
-(torch 0.25), slot sort 0.05 ms (torch's argsort + inverse scatter + index_add 0.26); kimi-k3 at
-8,192 tokens (top-16 of 896): 0.09-0.12 ms (0.28) and 0.05 ms (0.14). At these sizes a launch's host
-overhead is a good part of that; bench/moe_route.py times it.
+(A one-hot alternative, ranks by a running column cumsum of a [slots, E] tile, scales badly with E.)
+bench/moe_route.py times both kernels against torch.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.moe_route import MAX_EXPERTS
 
 # (top-k rows x padded experts per program, warps; slots per sort block, warps)
@@ -138,10 +132,8 @@ def _block_scatter(IDS, OFF, COUNTS, ORDER, INV, M, E, B: tl.constexpr, EP: tl.c
 
 
 def tile() -> tuple[int, ...]:
-    """(top-k elements per program = rows x padded experts, top-k warps, slots per sort block, sort
-    warps): TILE, or env K3_ROUTE_{TOPK_TILE,TOPK_WARPS,SORT_B,SORT_WARPS} (read per call, so
-    bench/moe_route.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_ROUTE", ("TOPK_TILE", "TOPK_WARPS", "SORT_B", "SORT_WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def topk_rows(choice: torch.Tensor, k: int, bias: torch.Tensor | None) -> torch.Tensor:

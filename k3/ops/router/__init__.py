@@ -4,16 +4,14 @@ The spec computes the router logits as x_f32 @ W_f32^T. x is a bf16 activation, 
 W (the fp32 master weight) splits exactly into three bf16 parts, W = W_hi + W_mid + W_lo (8 mantissa bits
 each, 24 in all). Every product of a bf16 x by a bf16 part is exact in fp32, so one bf16 GEMM against the
 stacked parts [W_hi; W_mid; W_lo] ([3E, d], accumulated in fp32, fp32 output) gives the fp32 product to
-fp32 accumulation accuracy, as the fp32 GEMM does, at tensor-core speed: on an H200 at 65,536 x 1,024 x 64
-0.056 ms against 0.408 ms for the cast of x plus cuBLAS's fp32 GEMM (TF32 off), relative error vs float64
-1.0e-6 against 5.7e-7 (a probe of these GEMMs, 2026-12-01; `bench/router.py` is the maintained benchmark).
+fp32 accumulation accuracy, as the fp32 GEMM does, at tensor-core speed (`bench/router.py` times it
+against the cast of x plus cuBLAS's fp32 GEMM).
 
 The backward works the same way: dW = g^T x with g split into three bf16 parts (exact products, fp32
 sums); dx = g W, which is rounded to x's bf16 at the end, from the three largest part products
-(g_hi W_hi + g_hi W_mid + g_lo W_hi: ~2^-16 relative before the bf16 rounding's 2^-9). Measured on the
-H200 at that shape against float64 (tests/ops/test_router.py, GPU): logits 1.0e-6 (fp32 GEMM 5.7e-7),
-dW 9.1e-6 (8.1e-7: its 65,536-term sums run on the tensor cores, whose fp32 accumulation does not round
-to nearest), dx 1.7e-3 (the bf16 rounding of the result).
+(g_hi W_hi + g_hi W_mid + g_lo W_hi: ~2^-16 relative before the bf16 rounding's 2^-9). Against float64
+(tests/ops/test_router.py, GPU) the logits are within ~1e-6 relative, dW ~1e-5 (long sums on the tensor
+cores, whose fp32 accumulation does not round to nearest), dx ~2e-3 (the bf16 rounding of the result).
 
 On CUDA the fp32-output GEMM is `torch.mm(..., out_dtype=torch.float32)`; elsewhere (CPU tests) the same
 exact products are formed in fp32 (`a.float() @ b.float()`), so the splitting is tested on the CPU.

@@ -3,7 +3,7 @@
 The backward (see `k3.ops.router`) needs, from the fp32 logit gradient g [N, E]: A = [g_hi | g_hi | g_lo]
 [N, 3E] bf16 (dx's operand) and the three exact bf16 parts of g^T stacked, [3E, N] (dW's operand). In
 torch that is a dozen small launches per layer (casts, subtractions, a transposed copy, stacks and
-concatenations: ~2 ms per k3-small micro-batch on an H200, each launch a few microseconds of work);
+concatenations, each launch a few microseconds of work);
 here one program per block of rows reads g once and writes both operands, with the same roundings
 (`cvt`: round to nearest even, also under the interpreter), so the bits equal the torch split's.
 """

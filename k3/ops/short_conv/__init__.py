@@ -39,7 +39,7 @@ def short_conv_silu(x: torch.Tensor, weight: torch.Tensor, *, streams: int = 1,
             gradients are written next to the conv's in the one [B, T, width] gradient of x, so no
             concatenation of the pieces' gradients is needed (autograd's split backward would copy all of
             them; the conv kernels write theirs in place, and up to 3 groups' gradients are copied by extra
-            programs of the same launch, cast to x's dtype; env K3_CONV_PASS=torch: torch copies instead).
+            programs of the same launch, cast to x's dtype).
     Returns:
         a tuple of S separate contiguous [B, T, C] tensors in x's dtype, stream s = channels
         [s*C, (s+1)*C), then the passthrough views; differentiable in x and weight. The backward reads

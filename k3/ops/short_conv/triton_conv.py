@@ -1,6 +1,6 @@
 """KDA's short convolution (depthwise causal conv + SiLU) as Triton kernels, forward and backward.
 
-Memory-bound, so the kernels are built around bytes. The default ("window", env K3_CONV) walks each
+Memory-bound, so the kernels are built around bytes. The window kernels (W <= 4) walk each
 program's strip of rows in order, one [BLOCK_C] row vector at a time, and keeps the last W-1 rows in
 registers (a sliding window, W <= 4): every input row is read once (plus 3 halo rows per strip) and
 no tile is re-read shifted. Forward: x in, SiLU(y) out, straight into S separate [B, T, C] tensors (q,
@@ -8,54 +8,42 @@ k, v: the layout the KDA kernel takes). Backward, one pass: dz = dL/d(conv outpu
 from x's window and the stream gradient and immediately scattered into fp32 accumulators of dx rows
 t-3..t (row t-3 is then complete and stored) and of dw (registers; one [W, BLOCK_C] partial per
 strip, summed afterwards in a fixed order: deterministic). Bytes: read x and the stream gradients,
-write dx -- against the tiled kernels' extra dz scratch round trip and W shifted tile reads (H200,
-Nsight Compute, k3-small's layer: forward 0.33 ms, dz pass 0.49, dx/dw pass 0.83 at 65,536 x 3,072).
+write dx -- against the tiled kernels' extra dz scratch round trip and W shifted tile reads.
 The backward reads the S stream gradients through S pointers, so autograd never stacks them.
 
-The tiled kernels ("tiles": [BT, BC] blocks, the W shifted tiles re-read from cache; backward = a dz
-scratch pass, then dx and dw) remain for W > 4 and as the measured alternative.
-Replaces a transpose + fp32 cuDNN depthwise conv1d + document-edge fix-up + SiLU epilogue (~16 ms
-forward+backward per KDA layer at 65K tokens x 3072 channels on an H200). Packed documents: row t only
-sees inputs s >= starts[t] (its document's first row).
+The tiled kernels ([BT, BC] blocks, the W shifted tiles re-read from cache; backward = a dz scratch
+pass in x's dtype (fp32 for fp32 x), then dx and dw) serve W > 4. Packed documents: row t only sees
+inputs s >= starts[t] (its document's first row).
 
 Passthrough columns (a fused projection's other outputs, returned as views of x): both backwards write
-x's whole gradient, their gradients copied by extra programs of the dx launch (`_pass_rows`; env
-K3_CONV_PASS=torch: torch copies before it, as before).
+x's whole gradient, their gradients copied by extra programs of the dx launch (`_pass_rows`; more than
+MAX_PASS groups: torch copies before it).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
-# Program tiles. "window" kernels: (strip rows, channels, warps); "tiles" kernels:
-# (rows, channels, warps) -- their backward's 64-row blocks measured fastest (H200, 65,536 tokens x 3,072
-# channels bf16, fwd+bwd: split 64/128/4 1.88 ms, 32/128/4 2.26 ms; with the dz scratch in bf16 1.59 ms;
-# the former fused (2.86 ms) and one-pass (2.12 ms) backwards were slower and are gone).
+# Program tiles, the fastest of bench/short_conv.py --sweep (tests set smaller ones). "window"
+# kernels: (strip rows, a multiple of 4: the kernels step 4 rows at a time; channels; warps); "tiles"
+# kernels: (rows, channels, warps).
 WINDOW = {"FWDW": (64, 512, 4), "BWDW": (128, 512, 4)}
 TILES = {"FWD": (32, 128, 4), "BWD": (64, 128, 4)}
 MAX_WINDOW = 4  # the window kernels' taps (KDA's W is 4; a smaller W is zero-padded on the left)
 
 
 def _window_tiles(direction: str) -> tuple[int, ...]:
-    """(strip rows, channels, warps) of the window kernels; env K3_CONV_{FWDW,BWDW}_{R,BC,WARPS} override
-    (read per call: bench/short_conv.py --sweep). The kernels step 4 rows at a time: R >= 4."""
-    r, bc, warps = env_tile(f"K3_CONV_{direction}", ("R", "BC", "WARPS"), WINDOW[direction])
-    if r < 4:
-        raise ValueError(f"K3_CONV_{direction}_R: the window kernels step 4 rows at a time, got {r}")
-    return r, bc, warps
+    """(strip rows, channels, warps) of the window kernels ("FWDW" / "BWDW"), read at call time."""
+    return WINDOW[direction]
 
 
 def _tiles(direction: str) -> tuple[int, ...]:
-    """(rows, channels, warps) per program; env K3_CONV_{FWD,BWD}_{BT,BC,WARPS} override the
-    defaults (read per call: bench/short_conv.py --sweep times the combinations)."""
-    return env_tile(f"K3_CONV_{direction}", ("BT", "BC", "WARPS"), TILES[direction])
+    """(rows, channels, warps) per program of the tiled kernels ("FWD" / "BWD"), read at call time."""
+    return TILES[direction]
 
 
 @triton.jit
@@ -449,24 +437,15 @@ def _conv_bwd_window(x, w4, starts, d0, d1, d2, d3, dx, dw_part, T, sxb_v, sxt_v
 
 
 def _mode(W: int) -> str:
-    """Env K3_CONV: "window" (default; W <= 4) or "tiles" (the tiled forward and split backward, any W)."""
-    mode = os.environ.get("K3_CONV", "window")
-    if mode not in ("window", "tiles"):
-        raise ValueError(f"K3_CONV must be 'window' or 'tiles', got {mode!r}")
-    return mode if W <= MAX_WINDOW else "tiles"
+    """"window" (the sliding-window kernels, W <= MAX_WINDOW) or "tiles" (the tiled forward and split
+    backward, any W)."""
+    return "window" if W <= MAX_WINDOW else "tiles"
 
 
 def _dz_dtype(x: torch.Tensor) -> torch.dtype:
-    """The tiled backward's dz scratch, env K3_CONV_DZ: "auto" (default) = x's dtype for bf16/fp16 x, fp32
-    for fp32 x; "half" = x's dtype; "fp32". In bf16 half the scratch bytes (its write and the W shifted
-    reads) at one more rounding of dz before dx and dw (H200, 65,536 x 3,072 bf16: fwd+bwd 1.88 -> 1.59
-    ms; vs float64 dx 2.3e-3 -> 2.9e-3, dw 1.7e-3 -> 2.3e-3 relative)."""
-    mode = os.environ.get("K3_CONV_DZ", "auto")
-    if mode not in ("auto", "fp32", "half"):
-        raise ValueError(f"K3_CONV_DZ must be 'auto', 'fp32' or 'half', got {mode!r}")
-    if mode == "half" or (mode == "auto" and x.dtype in (torch.bfloat16, torch.float16)):
-        return x.dtype
-    return torch.float32
+    """The tiled backward's dz scratch: x's dtype for bf16 / fp16 x (half the scratch bytes, at one more
+    rounding of dz before dx and dw), fp32 for fp32 x."""
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _pow2_split(stride: int) -> tuple[int, int]:
@@ -481,7 +460,7 @@ def _strides(x: torch.Tensor) -> dict:
     """x's batch and row strides as (quotient, power-of-two factor <= 16) pairs. Triton only knows an
     integer argument's alignment when it is divisible by 16; the rows of a fused projection (k3-small:
     4,232 elements) are 16-byte aligned but not a multiple of 16 elements, and without the factor every
-    load of the kernel ran element by element (0.55 vs 0.30 ms per forward at 65K x 3,072)."""
+    load of the kernel ran element by element, at about half the speed)."""
     out = {}
     for name, v, stride in (("sxb_v", "VB", x.stride(0)), ("sxt_v", "VT", x.stride(1))):
         out[name], out[v] = _pow2_split(stride)
@@ -508,19 +487,15 @@ PASS_BC = 512  # widest copy tile (a wider group is copied in column blocks)
 
 
 def _pass_mode(groups: int) -> str:
-    """Env K3_CONV_PASS, how the backward fills the passthrough columns of x's gradient: "kernel" (default:
-    extra programs of the conv backward's launch, `_pass_rows`) or "torch" (one torch copy_ / zero_ per
-    group before the launch: the former way, kept for a same-run A/B). More than MAX_PASS groups always
-    take the torch copies (the kernels have MAX_PASS pointers)."""
-    mode = os.environ.get("K3_CONV_PASS", "kernel")
-    if mode not in ("kernel", "torch"):
-        raise ValueError(f"K3_CONV_PASS must be 'kernel' or 'torch', got {mode!r}")
-    return mode if groups <= MAX_PASS else "torch"
+    """How the backward fills the passthrough columns of x's gradient: "kernel" (extra programs of the conv
+    backward's launch, `_pass_rows`) for up to MAX_PASS groups (the kernels have MAX_PASS pointers), else
+    "torch" (one torch copy_ / zero_ per group before the launch)."""
+    return "kernel" if groups <= MAX_PASS else "torch"
 
 
 def _pass_torch(dx: torch.Tensor, grads: tuple, columns: list[tuple[int, int]]) -> None:
     """dx [B, T, width][..., off:off+n] = each passthrough gradient [B, T, n] (any dtype and strides; None:
-    zeros) for (off, n) in columns, one torch copy per group (K3_CONV_PASS=torch)."""
+    zeros) for (off, n) in columns, one torch copy per group (more than MAX_PASS groups)."""
     for g, (off, n) in zip(grads, columns):
         if g is not None:
             dx[..., off:off + n].copy_(g)
@@ -600,9 +575,9 @@ class ShortConvSiLU(torch.autograd.Function):
         # Gradients from the KDA kernels come contiguous (no copy); a broadcast one (e.g. of a sum) does not.
         ds, live = _stream_args([d.contiguous() if d is not None else None for d in douts], x)
         dx_full = torch.empty(B, T, width, device=x.device, dtype=x.dtype)
-        # The passthrough columns of dx_full: by default extra programs of the conv backward's launch copy
-        # them (one launch; torch's copies of the narrow groups into the wide rows ran at ~1/3 of the bytes'
-        # time on the H200, each a launch of its own); K3_CONV_PASS=torch keeps the torch copies.
+        # The passthrough columns of dx_full: extra programs of the conv backward's launch copy
+        # them (one launch; torch's copies of the narrow groups into the wide rows, each a launch of its own,
+        # ran at a fraction of the bandwidth).
         by_kernel = bool(ctx.columns) and _pass_mode(len(ctx.columns)) == "kernel"
         if not by_kernel:
             _pass_torch(dx_full, dpass, ctx.columns)

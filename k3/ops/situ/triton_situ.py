@@ -1,8 +1,7 @@
 """SiTU-GLU as Triton kernels on gate|up packed in one tensor (the GEMM output [M, 2I]).
 
-Elementwise and meant to be memory-bound, but in the seventh session's profile the compiled SiTU
-took ~24 ms of a 64K-token k3-small forward/backward, about twice its bytes at 4.3 TB/s. The
-suspected cause is instruction count: libdevice tanh (twice), a precise sigmoid and two divisions
+Elementwise and meant to be memory-bound, but the compiled SiTU region took about twice its bytes'
+time at full bandwidth (docs/dev_log.md). The suspected cause is instruction count: libdevice tanh (twice), a precise sigmoid and two divisions
 are ~100 instructions per output (bench/situ.py times both). Here tanh and sigmoid are built from
 one hardware exponential and one reciprocal each:
 
@@ -26,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.backend import env_tile
 from k3.ops.triton_utils import cvt
 
-TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep on an H200
+TILE = (8, 256, 4)  # rows, columns, warps per program: the fastest of bench/situ.py --sweep
 LOG2E = tl.constexpr(1.4426950408889634)
 # tanh(x) / x = sum_k P_k (x^2)^k on |x| < 0.625 (least-squares fit, relative error 4.2e-9)
 P0, P1, P2 = tl.constexpr(0.9999999963023853), tl.constexpr(-0.333332634245224), tl.constexpr(0.13331186801259237)
@@ -84,9 +82,8 @@ def _situ_bwd(AB, GO, GAB, M, I, s_ab, inv_beta, beta, inv_beta_lin, beta_lin, B
 
 
 def tile() -> tuple[int, ...]:
-    """(rows, columns, warps) per program: TILE, or env K3_SITU_{BM,BI,WARPS} (read per call, so
-    bench/situ.py --sweep can time several in one process); powers of two."""
-    return env_tile("K3_SITU", ("BM", "BI", "WARPS"), TILE)
+    """TILE, read at call time (a module constant beside the kernels; tests and bench sweeps set it)."""
+    return TILE
 
 
 def _launch(kernel, M: int, I: int, *args) -> None:  # noqa: ANN001
