@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist mxfp4
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -144,6 +144,12 @@ for s in $sections; do
       python bench/dist.py --preset ${DIST_PRESET:-k3-small} --steps ${DIST_STEPS:-6} --compile ${DIST_ARGS:-} \
         2>&1 | quiet > "$OUT/dist.txt"
       grep -E "^\||^#" "$OUT/dist.txt" ;;
+    mxfp4)  # MXFP4 grouped GEMM (k3.ops.mxfp4_gemm): kernel + QAT GPU tests, then the bench vs bf16 torch._grouped_mm
+      # with the tile sweep (k3-small, kimi-k3; decode 1-64, prefill 8192) and the k3-small forward (MXFP4_ARGS: more flags)
+      python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm.py tests/quant 2>&1 | tail -20 > "$OUT/mxfp4_tests.txt"
+      grep -E "passed|failed|^FAILED|^E " "$OUT/mxfp4_tests.txt" | head -20
+      python bench/mxfp4_gemm.py --batches 1,4,16,64 --reps 20 --sweep ${MXFP4_ARGS:-} 2>&1 | quiet > "$OUT/mxfp4.txt"
+      grep -E "^\||^# best|^device" "$OUT/mxfp4.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
