@@ -111,7 +111,6 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     k_lo = ks * k_chunk
     k_hi = tl.where(m0 < r1, tl.minimum(K, k_lo + k_chunk), k_lo)  # no rows: an empty loop
     G: tl.constexpr = BK // 32
-    WDT: tl.constexpr = tl.float32 if (F32_DOT or INTERPRETED) else X.dtype.element_ty
     ms = m0 + tl.arange(0, BM)
     mmask = ms < r1
     ns = pn * BN + tl.arange(0, BN)
@@ -126,11 +125,12 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     for k0 in range(k_lo, k_hi, BK):
         p = tl.load(p_ptrs + k0 // 2, mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + k0 // 32, mask=nmask[:, None], other=127)
-        w = _decode_tile(p, s, WDT, W_UP)
         xt = tl.load(x_ptrs + k0, mask=mmask[:, None], other=0.0)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
+            w = _decode_tile(p, s, tl.float32, W_UP)
             acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
         else:
+            w = _decode_tile(p, s, xt.dtype, W_UP)
             acc = tl.dot(w, tl.trans(xt), acc)
     y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
     # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
