@@ -148,7 +148,7 @@ for s in $sections; do
       # with the tile sweep (k3-small, kimi-k3; decode 1-64, prefill 8192) and the k3-small forward (MXFP4_ARGS: more flags)
       python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm.py tests/quant 2>&1 | tail -20 > "$OUT/mxfp4_tests.txt"
       grep -E "passed|failed|^FAILED|^E " "$OUT/mxfp4_tests.txt" | head -20
-      python bench/mxfp4_gemm.py --batches 1,4,16,64 --reps 20 --sweep ${MXFP4_ARGS:-} 2>&1 | quiet > "$OUT/mxfp4.txt"
+      python bench/mxfp4_gemm.py --batches 1,4,16,64 --reps 10 --sweep ${MXFP4_ARGS:-} 2>&1 | quiet > "$OUT/mxfp4.txt"
       grep -E "^\||^# best|^device" "$OUT/mxfp4.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac

@@ -107,9 +107,12 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     pn = tl.program_id(0)
     e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
     ks = tl.program_id(2)
-    k_chunk = tl.cdiv(K // BK, tl.num_programs(2)) * BK
-    k_lo = ks * k_chunk
-    k_hi = tl.where(m0 < r1, tl.minimum(K, k_lo + k_chunk), k_lo)  # no rows: an empty loop
+    # this program's K tiles (loop over tile indices: offsets are constant multiples, so the compiler
+    # knows their alignment and vectorises the loads)
+    kt_all = K // BK
+    kt_per = tl.cdiv(kt_all, tl.num_programs(2))
+    kt_lo = ks * kt_per
+    kt_hi = tl.where(m0 < r1, tl.minimum(kt_all, kt_lo + kt_per), kt_lo)  # no rows: an empty loop
     G: tl.constexpr = BK // 32
     ms = m0 + tl.arange(0, BM)
     mmask = ms < r1
@@ -122,10 +125,10 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     s_ptrs = S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :]
     x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
     acc = tl.zeros([BN, BM], tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        p = tl.load(p_ptrs + k0 // 2, mask=nmask[:, None, None], other=0)
-        s = tl.load(s_ptrs + k0 // 32, mask=nmask[:, None], other=127)
-        xt = tl.load(x_ptrs + k0, mask=mmask[:, None], other=0.0)
+    for kt in range(kt_lo, kt_hi):
+        p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
+        s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
+        xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
             w = _decode_tile(p, s, tl.float32, W_UP)
             acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
