@@ -45,31 +45,32 @@ SHIFT: tl.constexpr = tl.constexpr(SHIFT_BITS)
 
 @triton.jit
 def _raw_lo_hi(p):
-    """int32 bytes (0..255) -> (low nibble, high nibble) as float32 E2M1 values times 2^-126.
+    """uint32 bytes (0..255) -> (low nibble, high nibble) as float32 E2M1 values times 2^-126.
 
-    The nibble's 3 magnitude bits go straight to the two lowest exponent bits and the top mantissa bit
-    (its sign to bit 31): code c = (e1 e0 m) reads 2^(e-127) (1 + m/2) for e >= 1 and, as a float32
-    subnormal, m * 2^-127 for e = 0 -- the E2M1 value times 2^-126 in every case."""
-    lo = ((p & 7) << 22) | ((p & 8) << 28)
-    hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
+    A nibble's 3 magnitude bits belong in the two lowest exponent bits and the top mantissa bit (bits
+    22-24) and its sign in bit 31: code c = (e1 e0 m) then reads 2^(e-127) (1 + m/2) for e >= 1 and, as a
+    float32 subnormal, m * 2^-127 for e = 0 -- the E2M1 value times 2^-126 in every case. One multiply
+    places two copies of the nibble (shifted by 22 and 28 for the low one, 18 and 24 for the high one;
+    the copies do not overlap) and one mask keeps bits 22-24 and 31: three integer ops per weight."""
+    lo = ((p & 0x0F) * 0x10400000) & 0x81C00000
+    hi = ((p & 0xF0) * 0x01040000) & 0x81C00000
     return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e8m0_factor(s, SHIFT: tl.constexpr):
-    """int32 E8M0 bytes -> float32 2^(s - 127 + 126 - SHIFT): turns `_raw_lo_hi` values into the weights
-    times 2^-SHIFT. Bytes above 128 + SHIFT give inf (NaN for zero nibbles), byte 255 (E8M0 NaN) NaN."""
-    e = s + (126 - SHIFT)  # biased exponent of 2^(s - 1 - SHIFT): >= 1 for SHIFT <= 125
-    bits = tl.where(e >= 255, 0x7F800000, e << 23)
-    return tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+    """uint32 E8M0 bytes -> float32 2^(s - 127 + 126 - SHIFT): turns `_raw_lo_hi` values into the weights
+    times 2^-SHIFT. Bytes above 128 + SHIFT (255 = the E8M0 NaN included) give inf: loud, never a
+    wrong finite weight."""
+    return (tl.minimum(s + (126 - SHIFT), 255) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr):
     """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT:
     the weights times W_UP * 2^-SHIFT, column 2j from byte j's low nibble and 2j + 1 from its high one."""
-    lo, hi = _raw_lo_hi(p.to(tl.int32))
-    f = _e8m0_factor(s.to(tl.int32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
+    lo, hi = _raw_lo_hi(p.to(tl.uint32))
+    f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
     lo = lo * f
     hi = hi * f
     if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
