@@ -19,9 +19,14 @@ decode step runs when served with CUDA graphs); `--eager` times single eager cal
 `--sweep` also times a small set of candidate tiles (`k3.ops.mxfp4_gemm.triton_mxfp4.Mxfp4Tiles`) per
 (shape, matrix, token count) and prints each one's time and the best, to choose `pick_tiles`' defaults.
 
+`--sass` needs no GPU: it compiles the kernel for sm_90 with Triton's bundled ptxas for the default
+tiles and prints per configuration the registers, shared memory, whether the MMA is wgmma (HGMMA) and
+the instruction mix of the K loop's body (SASS), per decoded weight and thread.
+
 Usage: python bench/mxfp4_gemm.py [--shapes k3-small,kimi-k3] [--batches 1,2,4,8,16,32,64]
        [--prefill 8192] [--reps 50] [--sweep] [--eager]
        python bench/mxfp4_gemm.py --smoke     # CPU: tiny shapes, reference path, correctness only
+       python bench/mxfp4_gemm.py --sass      # CPU: compile for sm_90, print the K loop's instructions
 """
 
 from __future__ import annotations
@@ -216,6 +221,53 @@ def model_step(preset: str, batches: list[int], reps: int, dev: str) -> None:
               flush=True)
 
 
+def sass_report() -> None:
+    """Compile `_mxfp4_gmm` for sm_90 (no GPU needed) for each default tile shape and print the K loop's
+    SASS instruction mix (the body between the loop's backward branch and its target)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3.ops.mxfp4_gemm import triton_mxfp4 as tm
+
+    names = ["X", "P", "S", "Y", "offs_ptr", "N", "K", "E", "stride_xm", "stride_ym", "stride_ys", "stride_pe",
+             "stride_pn", "stride_se", "stride_sn"]
+    types = ["*bf16", "*u8", "*u8", "*bf16", "*i32"] + ["i32"] * 10
+    aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print("| tiles | registers | smem bytes | MMA | K-loop instructions per weight per thread | top ops |")
+    print("|---|---|---|---|---|---|")
+    for label, t in [("decode", tm.DECODE_TILES), ("mid", tm.MID_TILES), ("prefill", tm.PREFILL_TILES)]:
+        consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False)
+        sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+        src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": t.warps, "num_stages": t.stages})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        ins = [(int(m[0], 16), m[1], m[2]) for m in
+               re.findall(r"/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+        loops = [(int(j.group(1), 16), a) for a, op, rest in ins if op.startswith("BRA")
+                 for j in [re.search(r"0x([0-9a-f]+)", rest)] if j and int(j.group(1), 16) < a]
+        body = [op.split(".")[0] for a, op, _ in ins if loops and loops[0][0] <= a <= loops[0][1]]
+        weights = t.bn * t.bk / (32 * t.warps)  # decoded weights per thread per K tile
+        regs = re.search(r"REG:(\d+)", usage)
+        mma = "wgmma (HGMMA)" if "HGMMA" in sass else ("mma.sync (HMMA)" if "HMMA" in sass else "none")
+        top = ", ".join(f"{op} {n / weights:.2f}" for op, n in collections.Counter(body).most_common(6))
+        print(f"| {label} {t} | {regs.group(1) if regs else '?'} | {k.metadata.shared} | {mma} | "
+              f"{len(body) / weights:.2f} | {top} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="k3-small,kimi-k3")
@@ -227,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time candidate tiles and print the best")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graphs")
     ap.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
+    ap.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU) and print the K loop's SASS")
     args = ap.parse_args(argv)
+    if args.sass:
+        sass_report()
+        return 0
     TIMING.update(graphs=not args.eager, inner=max(1, args.inner))
     dev = "cpu" if args.smoke else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
