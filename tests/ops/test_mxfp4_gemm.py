@@ -94,8 +94,13 @@ def test_kernel_fp16_and_scale_range():
         y32 = mxfp4_grouped_mm(x.float(), packed, scale, offs, tiles=SMALL, use_triton=True)
         want = _spec64(x, packed, scale, counts)
         assert ((y32.cpu().double() - want).abs() <= 1e-5 * want.abs().amax(1, keepdim=True)).all()
-        y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=SMALL, use_triton=True)
-        assert y.dtype == dtype and torch.equal(y.cpu(), y32.cpu().to(dtype)), dtype
+        y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=SMALL, use_triton=True).cpu()
+        want16 = y32.cpu().to(dtype)
+        assert y.dtype == dtype
+        if DEV == "cpu":  # the interpreter sums in the same order: the same bits
+            assert torch.equal(y, want16), dtype
+        else:  # tensor cores sum in another order: at most one ulp of the output dtype apart
+            assert torch.allclose(y.float(), want16.float(), rtol=torch.finfo(dtype).eps, atol=0), dtype
 
 
 def test_pick_tiles():
