@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -145,7 +145,13 @@ for s in $sections; do
       python bench/distill.py --preset ${DISTILL_PRESET:-k3-small} --device cuda --out "$OUT/distill.jsonl" \
         ${DISTILL_ARGS:-} 2>&1 | quiet > "$OUT/distill.txt"
       grep -E "^\||Error|error" "$OUT/distill.txt" | tail -8 ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill)"; exit 2 ;;
+    mxfp4)  # MXFP4 grouped GEMM (k3.ops.mxfp4_gemm): kernel + QAT GPU tests, then the bench vs bf16 torch._grouped_mm
+      # with the tile sweep (k3-small, kimi-k3; decode 1-64, prefill 8192) and the k3-small forward (MXFP4_ARGS: more flags)
+      python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm.py tests/quant 2>&1 | tail -20 > "$OUT/mxfp4_tests.txt"
+      grep -E "passed|failed|^FAILED|^E " "$OUT/mxfp4_tests.txt" | head -20
+      python bench/mxfp4_gemm.py --batches 1,4,16,64 --reps 10 --sweep ${MXFP4_ARGS:-} 2>&1 | quiet > "$OUT/mxfp4.txt"
+      grep -E "^\||^# best|^device" "$OUT/mxfp4.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -10,11 +10,23 @@ bf16 weights are the decoded MXFP4 weights).
 
 Prints a markdown table: ms per GEMM, speed-up of MXFP4 over bf16, and the expert-memory ratio
 (bf16 bytes / packed + scale bytes = 16 / 4.25); then the forward time of a model (`--model`, default
-k3-small, random weights) on [B, 1] tokens with bf16 vs packed MXFP4 experts.
+k3-small, random weights) on [B, 1] tokens with decoded-bf16 vs packed MXFP4 experts (the same weights:
+the logits differ by accumulation order and bf16 rounding only).
+
+GPU times are of CUDA graphs replaying `--inner` calls (device time, no Python launch overhead: how the
+decode step runs when served with CUDA graphs); `--eager` times single eager calls instead.
+
+`--sweep` also times a small set of candidate tiles (`k3.ops.mxfp4_gemm.triton_mxfp4.Mxfp4Tiles`) per
+(shape, matrix, token count) and prints each one's time and the best, to choose `pick_tiles`' defaults.
+
+`--sass` needs no GPU: it compiles the kernel for sm_90 with Triton's bundled ptxas for the default
+tiles and prints per configuration the registers, shared memory, whether the MMA is wgmma (HGMMA) and
+the instruction mix of the K loop's body (SASS), per decoded weight and thread.
 
 Usage: python bench/mxfp4_gemm.py [--shapes k3-small,kimi-k3] [--batches 1,2,4,8,16,32,64]
-       [--prefill 8192] [--reps 50]
+       [--prefill 8192] [--reps 50] [--sweep] [--eager]
        python bench/mxfp4_gemm.py --smoke     # CPU: tiny shapes, reference path, correctness only
+       python bench/mxfp4_gemm.py --sass      # CPU: compile for sm_90, print the K loop's instructions
 """
 
 from __future__ import annotations
@@ -45,18 +57,44 @@ def route(tokens: int, E: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cumsum(torch.bincount(idx, minlength=E), 0).to(torch.int32)
 
 
+TIMING = {"graphs": True, "inner": 10}
+
+
+def _graph(fn, inner: int):
+    """A CUDA graph of `inner` calls of fn (warmed up on a side stream first), or None if capture fails."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                fn()
+        return g
+    except Exception as err:  # noqa: BLE001 -- report and time eagerly instead
+        print(f"# CUDA graph capture failed ({type(err).__name__}: {err}); timing eagerly", file=sys.stderr)
+        return None
+
+
 def timed(fn, reps: int, dev: str) -> float:
-    """Median ms of `fn` over reps (CUDA events on GPU, perf_counter on CPU)."""
+    """Median ms of one call of `fn` over reps (CUDA events around a graph of TIMING["inner"] calls, or
+    around one eager call; perf_counter on CPU)."""
     fn()
+    g, inner = None, 1
+    if dev == "cuda" and TIMING["graphs"]:
+        g = _graph(fn, TIMING["inner"])
+        inner = TIMING["inner"] if g is not None else 1
     times = []
     for _ in range(reps):
         if dev == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            g.replay() if g is not None else fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b))
+            times.append(a.elapsed_time(b) / inner)
         else:
             t0 = time.perf_counter()
             fn()
@@ -64,8 +102,48 @@ def timed(fn, reps: int, dev: str) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def candidates(rows: int, E: int) -> list:
+    """The --sweep set for S = rows over E experts: weight-streaming tiles (BM 16, K split or not) at a few
+    rows per expert, larger row tiles otherwise; the default (pick_tiles) is timed separately."""
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles
+
+    if rows <= 16 * E:
+        return [Mxfp4Tiles(16, bn, bk, 4, st, sk) for bn, bk, st, sk in
+                [(64, 128, 4, 1), (64, 256, 3, 1), (64, 512, 2, 1), (128, 128, 3, 1), (128, 256, 3, 1),
+                 (32, 256, 4, 1), (64, 256, 3, 2), (64, 128, 4, 4), (128, 128, 3, 2)]]
+    if rows <= 64 * E:
+        return [Mxfp4Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
+                [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+                 (64, 256, 64, 8, 3)]]
+    return [Mxfp4Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
+            [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+             (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)]]
+
+
+def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
+    """(ms, tiles) of each candidate that runs and agrees with y_ref, fastest first."""
+    out = []
+    for t in candidates(x.shape[0], packed.shape[0]):
+        fn = lambda: mxfp4_grouped_mm(x, packed, scale, offs, tiles=t)  # noqa: E731
+        try:
+            err = rel_err(fn().float(), y_ref)
+        except Exception as e:  # noqa: BLE001 -- a tile that does not compile (resources) is skipped
+            print(f"#   {t}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            continue
+        if err > 2e-2:
+            raise AssertionError(f"tiles {t}: differs from bf16 by {err:.2e} (relative)")
+        out.append((timed(fn, reps, dev), t))
+    return sorted(out, key=lambda r: r[0])
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
 def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_counts: list[tuple[str, int]],
-                 reps: int, dev: str, gen: torch.Generator) -> list[str]:
+                 reps: int, dev: str, gen: torch.Generator, do_sweep: bool = False) -> list[str]:
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import pick_tiles
+
     packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=dev)
     scale = torch.randint(118, 124, (E, N, K // 32), dtype=torch.uint8, device=dev)
     w_bf16 = torch.empty(E, N, K, dtype=torch.bfloat16, device=dev)
@@ -84,39 +162,110 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
             ref = lambda: mxfp4_grouped_mm(x.float(), packed, scale, offs, use_triton=False)  # noqa: E731
         new = lambda: mxfp4_grouped_mm(x, packed, scale, offs)  # noqa: E731
         y_ref, y_new = ref().float(), new().float()
-        err = ((y_new - y_ref).abs().max() / y_ref.abs().max().clamp_min(1e-30)).item()
+        err = rel_err(y_new, y_ref)
         if err > 2e-2:
             raise AssertionError(f"{name} {mat} {label}: MXFP4 GEMM differs from bf16 by {err:.2e} (relative)")
         t_ref, t_new = timed(ref, reps, dev), timed(new, reps, dev)
-        gbs = (packed.numel() + scale.numel()) * (int((offs.diff(prepend=offs.new_zeros(1)) > 0).sum()) / E) / t_new / 1e6
+        active = int((offs.diff(prepend=offs.new_zeros(1)) > 0).sum())
+        gbs = (packed.numel() + scale.numel()) * (active / E) / t_new / 1e6
         rows.append(f"| {name} | {mat} [{N}, {K}] | {label} | {S} | {t_ref:.4f} | {t_new:.4f} | "
                     f"{t_ref / t_new:.2f}x | {gbs:.0f} | {ratio:.2f}x | {err:.1e} |")
         print(rows[-1], flush=True)
+        if do_sweep:
+            res = sweep(x, packed, scale, offs, y_ref, reps, dev)
+            for ms, t in res:
+                print(f"#   {ms:.4f} ms ({t_ref / ms:.2f}x bf16)  {t}", flush=True)
+            if res:
+                print(f"# best {name} {mat} {label}: {res[0][1]} {res[0][0]:.4f} ms "
+                      f"({t_ref / res[0][0]:.2f}x bf16); default {pick_tiles(S, E, N, K)} {t_new:.4f} ms",
+                      flush=True)
     return rows
 
 
 def model_step(preset: str, batches: list[int], reps: int, dev: str) -> None:
-    """Forward time of `preset` (random weights, bf16) on [B, 1] tokens, experts bf16 vs packed MXFP4: the
-    per-token work of a decode step without the cache (attention over one token), so the difference is
-    the routed experts'."""
+    """Forward time of `preset` (random weights, bf16) on [B, 1] tokens with packed MXFP4 experts vs the
+    same model with the decoded (dequantised, exact in bf16) experts as ordinary weights: the per-token
+    work of a decode step without the cache (attention over one token), so the difference is the routed
+    experts'. Both compute with the same weights, so their logits differ by accumulation order and bf16
+    rounding only: printed as the max |logit difference| and the argmax agreement."""
+    import copy
+
     from k3.config import get_preset
     from k3.model.causal_lm import K3ForCausalLM
-    from k3.model.moe import pack_routed_experts
+    from k3.model.moe import RoutedExperts, pack_routed_experts
 
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    model = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(dtype).to(dev).eval()
-    ids = {b: torch.randint(0, 1000, (b, 1), device=dev) for b in batches}
+    packed = K3ForCausalLM(get_preset(preset)).init_weights(seed=0).to(dtype).to(dev).eval()
+    decoded = copy.deepcopy(packed)
+    pack_routed_experts(packed)  # PTQ of the random weights
     with torch.no_grad():
-        t_bf16 = {b: timed(lambda: model(ids[b]).logits, reps, dev) for b in batches}
-        ref = {b: model(ids[b]).logits.float() for b in batches}
-        pack_routed_experts(model)  # PTQ of the random weights: logits differ by the rounding only
-        t_fp4 = {b: timed(lambda: model(ids[b]).logits, reps, dev) for b in batches}
-        agree = {b: float((model(ids[b]).logits.float().argmax(-1) == ref[b].argmax(-1)).float().mean())
-                 for b in batches}
-    print(f"\n{preset} forward of [B, 1] tokens (ms):\n| batch | bf16 experts | MXFP4 experts | speed-up | "
-          "argmax agreement |\n|---|---|---|---|---|")
+        pairs = zip((m for m in packed.modules() if isinstance(m, RoutedExperts)),
+                    (m for m in decoded.modules() if isinstance(m, RoutedExperts)))
+        for src, dst in pairs:
+            for p, w in zip((dst.w1, dst.w3, dst.w2), src.weights()):
+                p.copy_(w)
+    ids = {b: torch.randint(0, 1000, (b, 1), device=dev) for b in batches}
+    TIMING["graphs"] = False  # eager: the model's routing may read the device (no graph capture)
+    with torch.no_grad():
+        t_dec = {b: timed(lambda: decoded(ids[b]).logits, reps, dev) for b in batches}
+        t_fp4 = {b: timed(lambda: packed(ids[b]).logits, reps, dev) for b in batches}
+        ref = {b: decoded(ids[b]).logits.float() for b in batches}
+        got = {b: packed(ids[b]).logits.float() for b in batches}
+    print(f"\n{preset} forward of [B, 1] tokens (ms, eager), same weights: decoded bf16 vs packed MXFP4 experts\n"
+          "| batch | bf16 experts | MXFP4 experts | speed-up | max abs logit diff | argmax agreement |\n"
+          "|---|---|---|---|---|---|")
     for b in batches:
-        print(f"| {b} | {t_bf16[b]:.3f} | {t_fp4[b]:.3f} | {t_bf16[b] / t_fp4[b]:.2f}x | {agree[b]:.2f} |", flush=True)
+        diff = (got[b] - ref[b]).abs().max().item()
+        agree = float((got[b].argmax(-1) == ref[b].argmax(-1)).float().mean())
+        print(f"| {b} | {t_dec[b]:.3f} | {t_fp4[b]:.3f} | {t_dec[b] / t_fp4[b]:.2f}x | {diff:.2e} | {agree:.2f} |",
+              flush=True)
+
+
+def sass_report() -> None:
+    """Compile `_mxfp4_gmm` for sm_90 (no GPU needed) for each default tile shape and print the K loop's
+    SASS instruction mix (the body between the loop's backward branch and its target)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k3.ops.mxfp4_gemm import triton_mxfp4 as tm
+
+    names = ["X", "P", "S", "Y", "offs_ptr", "N", "K", "E", "stride_xm", "stride_ym", "stride_ys", "stride_pe",
+             "stride_pn", "stride_se", "stride_sn"]
+    types = ["*bf16", "*u8", "*u8", "*bf16", "*i32"] + ["i32"] * 10
+    aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print("| tiles | registers | smem bytes | MMA | K-loop instructions per weight per thread | top ops |")
+    print("|---|---|---|---|---|---|")
+    for label, t in [("decode", tm.DECODE_TILES), ("mid", tm.MID_TILES), ("prefill", tm.PREFILL_TILES)]:
+        consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False)
+        sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+        src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
+                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": t.warps, "num_stages": t.stages})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True).stdout
+        ins = [(int(m[0], 16), m[1], m[2]) for m in
+               re.findall(r"/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+        loops = [(int(j.group(1), 16), a) for a, op, rest in ins if op.startswith("BRA")
+                 for j in [re.search(r"0x([0-9a-f]+)", rest)] if j and int(j.group(1), 16) < a]
+        body = [op.split(".")[0] for a, op, _ in ins if loops and loops[0][0] <= a <= loops[0][1]]
+        weights = t.bn * t.bk / (32 * t.warps)  # decoded weights per thread per K tile
+        regs = re.search(r"REG:(\d+)", usage)
+        mma = "wgmma (HGMMA)" if "HGMMA" in sass else ("mma.sync (HMMA)" if "HMMA" in sass else "none")
+        top = ", ".join(f"{op} {n / weights:.2f}" for op, n in collections.Counter(body).most_common(6))
+        print(f"| {label} {t} | {regs.group(1) if regs else '?'} | {k.metadata.shared} | {mma} | "
+              f"{len(body) / weights:.2f} | {top} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference path")
     ap.add_argument("--model", default="k3-small", help="preset for the model forward timing ('' = skip)")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles and print the best")
+    ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graphs")
+    ap.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
+    ap.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU) and print the K loop's SASS")
     args = ap.parse_args(argv)
+    if args.sass:
+        sass_report()
+        return 0
+    TIMING.update(graphs=not args.eager, inner=max(1, args.inner))
     dev = "cpu" if args.smoke else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
         print("error: needs CUDA (or --smoke)", file=sys.stderr)
@@ -137,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     token_counts += [(f"prefill {p}", int(p)) for p in args.prefill.split(",") if p]
     reps = 2 if args.smoke else args.reps
     gen = torch.Generator().manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (smoke)'}")
+    timing = "eager calls" if args.eager or dev == "cpu" else f"CUDA graphs of {TIMING['inner']} calls"
+    print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (smoke)'}; timing: {timing}")
     print("| shape | matrix | tokens | rows | bf16 ms | mxfp4 ms | speed-up | mxfp4 GB/s (active experts) "
           "| memory ratio | max rel. diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -147,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         E, k, mats = SHAPES[name]
         for mat, (N, K) in mats.items():
-            bench_matrix(name, mat, E, k, N, K, token_counts, reps, dev, gen)
+            bench_matrix(name, mat, E, k, N, K, token_counts, reps, dev, gen, args.sweep)
             if dev == "cuda":  # the matrix's tensors died with bench_matrix's frame
                 torch.cuda.empty_cache()
     if args.model:

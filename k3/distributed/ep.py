@@ -101,12 +101,18 @@ class EPExperts(nn.Module):
             setattr(p, EP_LOCAL, True)
             setattr(self, n, p)
         self.act, self.beta, self.beta_lin = dense.act, dense.beta, dense.beta_lin
+        # QAT's hooks (k3.quant.qat), as on RoutedExperts: weights -> weights, and the expert-GEMM inputs
+        # (the latent tokens, before the dispatch: row-local, so it commutes with it; the GLU output)
         self.weight_transform = dense.weight_transform
+        self.input_transform = dense.input_transform
         self.last_load: dict[str, float] = {}
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         f = self.weight_transform
         return (self.w1, self.w3, self.w2) if f is None else (f(self.w1), f(self.w3), f(self.w2))
+
+    def _transform_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_transform is None else self.input_transform(x)
 
     # ---- routing plan ------------------------------------------------------------------------------
     def _destinations(self, flat: torch.Tensor, counts_all: torch.Tensor, slots) -> torch.Tensor:
@@ -175,7 +181,7 @@ class EPExperts(nn.Module):
         order = torch.argsort(dest, stable=True)  # my pairs grouped by destination
         send_counts = torch.bincount(dest, minlength=self.R)
         token = order // k
-        x_send, e_send = z[token], flat[order]
+        x_send, e_send = self._transform_input(z)[token], flat[order]
         if anchor is not None:
             x_send = x_send + anchor.to(x_send.dtype)
         if self.balanced:
@@ -214,7 +220,7 @@ class EPExperts(nn.Module):
             w1, w3, w2 = weights[ex]
             xe = x[rows]
             h = glu_act(xe @ w1.t(), xe @ w3.t(), self.act, self.beta, self.beta_lin)
-            y = y.index_copy(0, rows, h @ w2.t())
+            y = y.index_copy(0, rows, self._transform_input(h) @ w2.t())
         return y
 
 

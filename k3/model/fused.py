@@ -520,7 +520,7 @@ class Kernels:
         its fp32 logits from bf16 tensor-core GEMMs against the weight split exactly in three bf16 parts
         (`k3.ops.router`, faster than casting x for an fp32 GEMM)."""
         if use_triton(self.config.moe_route, x):
-            if x.dtype == torch.bfloat16:
+            if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:  # training: fp32 master weight
                 scores = torch.sigmoid(router_logits(x, weight))  # fp32 logits from bf16 GEMMs: k3.ops.router
             else:
                 scores = self.router_scores(x, weight)

@@ -46,7 +46,9 @@ def _spec64(x, packed, scale, counts):
     ([3, 0, 20, 1, 0], 40, 64, SMALL),        # empty experts, N not a tile multiple, two K tiles
     ([0, 0, 37], 16, 96, SMALL),               # leading empty experts, rows over three M tiles; BK fits K
     ([1, 1, 1, 1], 32, 32, Mxfp4Tiles(16, 32, 32, 4, 1)),  # decode-like: one row per expert
-    ([5, 9, 0, 2], 48, 128, None),             # default tile choice
+    ([5, 9, 0, 2], 48, 128, None),             # default tile choice (decode tiles, K split in two)
+    ([1, 0, 2, 1], 64, 256, Mxfp4Tiles(16, 16, 32, 4, 1, split_k=3)),  # split K (8 K tiles in 3 ranges)
+    ([0, 130, 0, 7], 24, 64, Mxfp4Tiles(128, 16, 64, 4, 1)),  # prefill-size row tiles, rows over two of them
 ])
 def test_kernel_fp32_against_spec(counts, N, K, tiles):
     """fp32 activations: the kernel equals the float64 spec to fp32 rounding, the reference too."""
@@ -75,6 +77,44 @@ def test_kernel_bf16_matches_reference():
     want = _spec64(x, packed, scale, counts)
     assert y.dtype == torch.bfloat16
     assert torch.allclose(y.cpu().double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+def test_kernel_fp16_and_scale_range():
+    """Half-precision activations over the decoder's exact scale range (bf16: E8M0 bytes 34..160, weights
+    2^-94 .. 6 * 2^33; fp16: weights within fp16's range): every weight and every product with an
+    activation is exact, so the half-precision kernel's fp32 sums equal the fp32 kernel's on the same
+    (upcast) activations, which are within fp32 rounding of the float64 spec."""
+    g = torch.Generator().manual_seed(3)
+    counts, N, K = [2, 3], 32, 64
+    packed = torch.randint(0, 256, (2, N, K // 2), dtype=torch.uint8, generator=g).to(DEV)
+    offs = _offs(counts)
+    for dtype, lo, hi in ((torch.float16, 118, 134), (torch.bfloat16, 34, 161)):
+        scale = torch.randint(lo, hi, (2, N, K // 32), dtype=torch.uint8, generator=g).to(DEV)
+        x = torch.randn(sum(counts), K, generator=g).to(DEV, dtype)
+        y32 = mxfp4_grouped_mm(x.float(), packed, scale, offs, tiles=SMALL, use_triton=True)
+        want = _spec64(x, packed, scale, counts)
+        assert ((y32.cpu().double() - want).abs() <= 1e-5 * want.abs().amax(1, keepdim=True)).all()
+        y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=SMALL, use_triton=True).cpu()
+        want16 = y32.cpu().to(dtype)
+        assert y.dtype == dtype
+        if DEV == "cpu":  # the interpreter sums in the same order: the same bits
+            assert torch.equal(y, want16), dtype
+        else:  # tensor cores sum in another order: at most one ulp of the output dtype apart
+            assert torch.allclose(y.float(), want16.float(), rtol=torch.finfo(dtype).eps, atol=0), dtype
+
+
+def test_pick_tiles():
+    """Decode tiles at a few rows per expert (K split while the grid is small), larger row tiles with
+    more rows."""
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import DECODE_TILES, MID_TILES, PREFILL_TILES, pick_tiles
+
+    assert pick_tiles(16, 896, 6144, 3584) == DECODE_TILES  # kimi-k3 batch 1: 16 experts x 96 N tiles
+    small = pick_tiles(8, 64, 1024, 512)  # k3-small batch 1: 8 experts x 16 N tiles
+    assert (small.bm, small.split_k) == (DECODE_TILES.bm, 2)
+    assert pick_tiles(64 * 40, 64, 1024, 512) == MID_TILES
+    assert pick_tiles(65536, 64, 1024, 512) == PREFILL_TILES
+    with pytest.raises(ValueError, match="bk"):
+        Mxfp4Tiles(16, 16, 48, 4, 1)
 
 
 def test_bad_inputs():

@@ -1,21 +1,31 @@
 """Grouped GEMM over expert-sorted rows with MXFP4 weights dequantised in registers (Triton).
 
-y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (official layout, k3.quant.mxfp4):
-Hopper has no FP4 tensor cores, so each program loads a [BN, BK/2] tile of packed bytes plus its E8M0
-bytes, expands the nibbles to float32 with integer ops (sign bit 3, E2M1 magnitude from bit patterns),
-multiplies by 2^(s-127) and feeds tl.dot in the activation dtype (exact: an E2M1 value times a power of
-two is a bf16 number; the dequantisation is four integer ops and one multiply per weight, see
-`_raw_lo_hi`). Weight bytes read are 4.25 bits per weight instead of 16: at decode, where the
-expert GEMMs are bound by weight bandwidth, that is the speed-up.
+y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (official layout, k3.quant.mxfp4).
+Hopper has no FP4 tensor cores, so each program loads a [BN, BK/2] tile of packed bytes (16-byte rows of
+one 32-element group each) plus its [BN, BK/32] E8M0 bytes, expands them once per tile to a [BN, BK] tile
+in the activation dtype (`_decode_tile`: low / high nibbles interleaved by tl.join, so x is read
+contiguously and one tl.dot covers the K tile) and multiplies it against the [BM, BK] row tile.
 
-Even and odd input columns live in one byte's two nibbles, so a K tile is computed as two dots --
-x[:, 0::2] @ W_lo^T + x[:, 1::2] @ W_hi^T -- instead of interleaving the nibbles in registers.
+The product is computed transposed, acc[BN, BM] = W_tile @ x_tile^T: the weight tile is the left operand
+(Hopper's wgmma takes it from registers, where it was decoded; its M >= 64 is filled by BN) and the rows are
+the small right operand, so decode with one row per expert wastes no MMA width on padding rows.
 
-Grid (CUDA-graph friendly: no host reads of the routing): (N tiles, min(E, S) slots, M splits). Program
-(n, slot, m) finds the slot-th expert that received rows by a prefix sum over `offs` (E <= a few
-thousand, one vector op), then loops over that expert's row tiles m, m + M splits, ... Experts without
-rows cost no program beyond the min(E, S) slots, so decode with a few active experts launches few
-programs. Rows at or past offs[-1] are not written.
+Exactness: an E2M1 value times a power of two is exact in bf16 / fp32 as long as it stays a normal number.
+Tiles are decoded in fp32 as W * 2^-SHIFT (`_raw_lo_hi` times one factor per 32-element group) and cast
+to the activation dtype; for bf16 / fp32 the fp32 accumulator is multiplied by 2^SHIFT at the store
+(exact). With SHIFT = 32 every E8M0 byte s in [2 + SHIFT, 128 + SHIFT] = [34, 160] -- block scales
+2^-93 .. 2^33, far beyond any trained weight -- decodes exactly (larger bytes give inf, smaller ones lose
+low bits as subnormals). fp16 activations multiply the tile back by 2^SHIFT before the cast (the
+weights must lie in fp16's range to be exact: |W| in [2^-14, 65504]).
+
+Scheduling (CUDA-graph friendly: no host reads of the routing): grid (N tiles, row-tile slots, K splits).
+Row tile t is the t-th BM-row tile over all experts in order (expert e has cdiv(rows_e, BM) of them); each
+program finds its expert by a prefix sum over `offs` (E <= a few thousand: one vector op). The host sizes
+the grid by the bound cdiv(S, BM) + min(E, S) on the number of row tiles; slots past the last tile and
+experts without rows cost a program that exits after the search. So each decoded weight tile feeds BM rows
+(prefill: BM = 128), and decode (BM = 16, one tile per active expert) streams each active expert's weights
+once. With K splits > 1 each program sums a K range into an fp32 partial [split, S, N]; the host adds the
+partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are not written.
 """
 
 from __future__ import annotations
@@ -26,101 +36,156 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.triton_utils import INTERPRETED
+from k3.ops.triton_utils import INTERPRETED, cvt
+
+
+SHIFT_BITS = 32  # bf16 / fp32 tiles are decoded as the weights times 2^-SHIFT_BITS (module docstring)
+SHIFT: tl.constexpr = tl.constexpr(SHIFT_BITS)
 
 
 @triton.jit
 def _raw_lo_hi(p):
-    """int32 bytes (0..255) -> (low nibble, high nibble) as float32 E2M1 values times 2^-126.
+    """uint32 bytes (0..255) -> (low nibble, high nibble) as float32 E2M1 values times 2^-126.
 
-    The nibble's 3 magnitude bits go straight to the two lowest exponent bits and the top mantissa bit
-    (its sign to bit 31): code c = (e1 e0 m) reads 2^(e-127) (1 + m/2) for e >= 1 and, as a float32
-    subnormal, m * 2^-127 for e = 0 -- the E2M1 value times 2^-126 in every case, in four integer ops."""
-    lo = ((p & 7) << 22) | ((p & 8) << 28)
-    hi = ((p & 0x70) << 18) | ((p & 0x80) << 24)
+    A nibble's 3 magnitude bits belong in the two lowest exponent bits and the top mantissa bit (bits
+    22-24) and its sign in bit 31: code c = (e1 e0 m) then reads 2^(e-127) (1 + m/2) for e >= 1 and, as a
+    float32 subnormal, m * 2^-127 for e = 0 -- the E2M1 value times 2^-126 in every case. One multiply
+    places two copies of the nibble (shifted by 22 and 28 for the low one, 18 and 24 for the high one;
+    the copies do not overlap) and one mask keeps bits 22-24 and 31: three integer ops per weight."""
+    lo = ((p & 0x0F) * 0x10400000) & 0x81C00000
+    hi = ((p & 0xF0) * 0x01040000) & 0x81C00000
     return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _e8m0_shifted(s, SHIFT: tl.constexpr):
-    """int32 E8M0 bytes -> float32 2^(s - 127 + 126 - SHIFT), the factor that turns `_raw_lo_hi` values into
-    the weights times 2^-SHIFT. Bytes up to 127 + SHIFT are exact (SHIFT = 32: |W| < 6 * 2^33, far beyond
-    any trained weight); larger bytes give inf (NaN for zero nibbles), byte 255 NaN."""
-    e = s + (126 - SHIFT)  # biased exponent of 2^(s - 1 - SHIFT): >= 1 for SHIFT <= 125
-    bits = tl.where(e >= 255, 0x7F800000, e << 23)
-    return tl.where(s == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+def _e8m0_factor(s, SHIFT: tl.constexpr):
+    """uint32 E8M0 bytes -> float32 2^(s - 127 + 126 - SHIFT): turns `_raw_lo_hi` values into the weights
+    times 2^-SHIFT. Bytes above 128 + SHIFT (255 = the E8M0 NaN included) give inf: loud, never a
+    wrong finite weight."""
+    return (tl.minimum(s + (126 - SHIFT), 255) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym,
-               EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               M_SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
-    """Y[r, n] = sum_k X[r, k] W_e[n, k] for the rows r of expert e. X [S, K] (unit column stride),
-    P uint8 [E, N, K/2], S uint8 [E, N, K/32] contiguous, Y [S, N]; BK divides K."""
-    SHIFT: tl.constexpr = 32
-    X_UP: tl.constexpr = 4294967296.0  # 2^SHIFT
-    pn = tl.program_id(0)
-    slot = tl.program_id(1)
-    pm = tl.program_id(2)
-    # the slot-th expert with rows: rank experts by a prefix sum of "has rows"
+def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr):
+    """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT:
+    the weights times W_UP * 2^-SHIFT, column 2j from byte j's low nibble and 2j + 1 from its high one."""
+    lo, hi = _raw_lo_hi(p.to(tl.uint32))
+    f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
+    lo = lo * f
+    hi = hi * f
+    if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
+        lo = lo * W_UP
+        hi = hi * W_UP
+    w = tl.join(cvt(lo, WDT), cvt(hi, WDT))  # [BN, G, 16, 2]: exact products, exact casts
+    return tl.reshape(w, (p.shape[0], p.shape[1] * 32))
+
+
+@triton.jit
+def _find_tile(offs_ptr, E, t, EP: tl.constexpr, BM: tl.constexpr):
+    """Row tile t over all experts (each expert's rows cut in BM-row tiles, experts in order) ->
+    (expert, first row, the expert's end row); first row >= end row when there is no tile t."""
     es = tl.arange(0, EP)
-    ends = tl.load(offs_ptr + es, mask=es < E, other=0)
-    starts = tl.load(offs_ptr + es - 1, mask=(es > 0) & (es < E), other=0)
-    active = ends > starts
-    hit = active & (tl.cumsum(active.to(tl.int32), 0) == slot + 1)
-    e = tl.sum(tl.where(hit, es, 0)).to(tl.int64)
-    r0 = tl.sum(tl.where(hit, starts, 0))
-    r1 = tl.sum(tl.where(hit, ends, 0))  # no such expert: r0 = r1 = 0, no row tiles
-    KH = K // 2
-    KB = K // 32
+    inb = es < E
+    ends = tl.load(offs_ptr + es, mask=inb, other=0)
+    starts = tl.load(offs_ptr + es - 1, mask=inb & (es > 0), other=0)
+    tiles = tl.where(inb, (ends - starts + BM - 1) // BM, 0)
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= t).to(tl.int32))  # experts whose tiles all come before tile t
+    hit = es == e  # none when t is past the last tile
+    first_tile = tl.sum(tl.where(hit, cum - tiles, 0))
+    r0 = tl.sum(tl.where(hit, starts, 0)) + (t - first_tile) * BM
+    r1 = tl.sum(tl.where(hit, ends, 0))
+    return tl.minimum(e, E - 1), tl.where(e < E, r0, 0), r1
+
+
+@triton.jit
+def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+               stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr):
+    """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
+    rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
+    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
+    pn = tl.program_id(0)
+    e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
+    ks = tl.program_id(2)
+    # this program's K tiles (loop over tile indices: offsets are constant multiples, so the compiler
+    # knows their alignment and vectorises the loads)
+    kt_all = K // BK
+    kt_per = tl.cdiv(kt_all, tl.num_programs(2))
+    kt_lo = ks * kt_per
+    kt_hi = tl.where(m0 < r1, tl.minimum(kt_all, kt_lo + kt_per), kt_lo)  # no rows: an empty loop
+    G: tl.constexpr = BK // 32
+    ms = m0 + tl.arange(0, BM)
+    mmask = ms < r1
     ns = pn * BN + tl.arange(0, BN)
     nmask = ns < N
-    jh = tl.arange(0, BK // 2)  # byte columns of one K tile
-    p_base = P + e * N * KH + ns[:, None].to(tl.int64) * KH + jh[None, :]
-    s_base = S + e * N * KB + ns[:, None].to(tl.int64) * KB + (jh // 16)[None, :]
-    for m0 in range(r0 + pm * BM, r1, BM * M_SPLIT):
-        ms = m0 + tl.arange(0, BM)
-        mmask = ms < r1
-        x_base = X + ms[:, None].to(tl.int64) * stride_xm + 2 * jh[None, :]
-        acc = tl.zeros([BM, BN], tl.float32)
-        for k0 in range(0, K, BK):
-            pk = tl.load(p_base + k0 // 2, mask=nmask[:, None], other=0).to(tl.int32)
-            sc = _e8m0_shifted(tl.load(s_base + k0 // 32, mask=nmask[:, None], other=127).to(tl.int32), SHIFT)
-            w_lo, w_hi = _raw_lo_hi(pk)
-            w_lo *= sc  # = W * 2^-SHIFT: one multiply per weight
-            w_hi *= sc
-            x_ev = tl.load(x_base + k0, mask=mmask[:, None], other=0.0)
-            x_od = tl.load(x_base + k0 + 1, mask=mmask[:, None], other=0.0)
-            if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
-                acc = tl.dot(x_ev.to(tl.float32), tl.trans(w_lo), acc, input_precision="ieee")
-                acc = tl.dot(x_od.to(tl.float32), tl.trans(w_hi), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_ev, tl.trans(w_lo.to(x_ev.dtype)), acc)
-                acc = tl.dot(x_od, tl.trans(w_hi.to(x_ev.dtype)), acc)
-        y_ptrs = Y + ms[:, None].to(tl.int64) * stride_ym + ns[None, :]
-        # times 2^SHIFT: exact, undoes the weights' 2^-SHIFT
-        tl.store(y_ptrs, (acc * X_UP).to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    gs = tl.arange(0, G)
+    e64 = e.to(tl.int64)
+    p_ptrs = (P + e64 * stride_pe + ns.to(tl.int64)[:, None, None] * stride_pn + gs[None, :, None] * 16
+              + tl.arange(0, 16)[None, None, :])
+    s_ptrs = S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :]
+    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BN, BM], tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
+        s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
+        xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
+        if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
+            w = _decode_tile(p, s, tl.float32, W_UP)
+            acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            w = _decode_tile(p, s, xt.dtype, W_UP)
+            acc = tl.dot(w, tl.trans(xt), acc)
+    y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
+    # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
+    tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
 @dataclass(frozen=True)
 class Mxfp4Tiles:
-    """Tile shape and launch parameters. BK: a multiple of 32 (clipped to one dividing K)."""
+    """Tile shape and launch parameters. bm: rows per tile (>= 16), bn: weight rows (output columns) per
+    tile (>= 16), bk: a power of two >= 32 (halved until it divides K), split_k: K ranges per tile summed
+    through fp32 partials (1 = none; clipped to K / bk)."""
 
     bm: int
     bn: int
     bk: int
     warps: int
     stages: int
+    split_k: int = 1
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < (32 if name == "bk" else 16) or v & (v - 1):
+                raise ValueError(f"Mxfp4Tiles.{name} must be a power of two >= {32 if name == 'bk' else 16}, "
+                                 f"got {v}")
+        if min(self.warps, self.stages, self.split_k) < 1:
+            raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
 
 
-DECODE_TILES = Mxfp4Tiles(bm=16, bn=64, bk=256, warps=4, stages=4)
-PREFILL_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=8, stages=3)
+# rows per expert (S / E) <= 16: weight streaming, each active expert's weights read once
+DECODE_TILES = Mxfp4Tiles(bm=16, bn=64, bk=256, warps=4, stages=3)
+# up to 64 rows per expert
+MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
+# prefill: every decoded weight tile feeds 128 rows
+PREFILL_TILES = Mxfp4Tiles(bm=128, bn=128, bk=64, warps=8, stages=3)
+# fewer programs than this leave SMs idle at decode (an H100 has 132): split K instead
+MIN_PROGRAMS = 264
 
 
-def pick_tiles(rows: int, experts: int) -> Mxfp4Tiles:
-    """Decode tiles when experts average <= 16 rows (each expert's weights read once, many N tiles),
-    prefill tiles otherwise."""
-    return DECODE_TILES if rows <= 16 * experts else PREFILL_TILES
+def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
+    """Tiles by rows per expert (host values only: S, E and the weight shape), with K split at decode
+    when the (N tiles x active experts) grid is smaller than MIN_PROGRAMS."""
+    per_expert = rows / max(experts, 1)
+    if per_expert > 64:
+        return PREFILL_TILES
+    if per_expert > 16:
+        return MID_TILES
+    t = DECODE_TILES
+    programs = triton.cdiv(n, t.bn) * max(1, min(experts, rows))
+    split = min(triton.cdiv(MIN_PROGRAMS, programs), max(1, k // _fit_bk(t.bk, k)))
+    return Mxfp4Tiles(t.bm, t.bn, t.bk, t.warps, t.stages, split_k=split) if split > 1 else t
 
 
 def _fit_bk(bk: int, K: int) -> int:
@@ -135,14 +200,20 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     """See `k3.ops.mxfp4_gemm.mxfp4_grouped_mm` (arguments checked there)."""
     S, K = x.shape
     E, N = packed.shape[:2]
-    t = tiles or pick_tiles(S, E)
+    t = tiles or pick_tiles(S, E, N, K)
     bk = _fit_bk(t.bk, K)
+    split = max(1, min(t.split_k, K // bk))
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(S, N, dtype=x.dtype, device=x.device)
-    slots = max(1, min(E, S))
-    m_split = max(1, min(64, triton.cdiv(triton.cdiv(S, slots), t.bm)))
-    grid = (triton.cdiv(N, t.bn), slots, m_split)
-    _mxfp4_gmm[grid](x, packed, scale, y, offs, N, K, E, x.stride(0), y.stride(0),
-                     EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk, M_SPLIT=m_split,
-                     F32_DOT=x.dtype == torch.float32, num_warps=t.warps, num_stages=t.stages)
+    out = y if split == 1 else torch.empty(split, S, N, dtype=torch.float32, device=x.device)
+    up = float(2 ** SHIFT_BITS)
+    w_up, y_up = (up, 1.0) if x.dtype == torch.float16 else (1.0, up)
+    slots = max(1, triton.cdiv(S, t.bm) + min(E, S))
+    grid = (triton.cdiv(N, t.bn), slots, split)
+    _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
+                     N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
+                     W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32,
+                     num_warps=t.warps, num_stages=t.stages)
+    if split > 1:
+        torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
     return y
