@@ -110,21 +110,25 @@ class NgramProposer:
 
 
 def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
-                 rng: random.Random) -> tuple[list[int], int]:
+                 rng: random.Random, q: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Chain acceptance for one request. logits: [k + 1, V] float32 (vocab-limited) where row j is
-    the target's prediction after the draft's first j tokens; draft: k token ids from a
-    deterministic proposer. Returns (tokens to emit: the accepted drafts then one target token,
-    number of drafts accepted).
+    the target's prediction after the draft's first j tokens; draft: k token ids. q: [k, V] float32,
+    the distributions the drafts were drawn from (a learned draft, `k3.serve.draft_spec`), or None for
+    a deterministic proposer (a point mass). Returns (tokens to emit: the accepted drafts then one
+    target token, number of drafts accepted).
 
     Greedy: accept while the draft equals the argmax; the emitted token after is the argmax.
     Sampling (p = `target_probs`, the distribution `sample_batch` draws from): draft x is accepted
-    with probability p(x) (min(1, p/q) with q a point mass); on rejection the token is drawn from p
-    with x zeroed, renormalised; after k acceptances a bonus token is drawn from p. Uniforms come
-    from the request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
+    with probability min(1, p(x) / q(x)); on rejection the token is drawn from normalise(max(0, p - q))
+    (for a point mass: p with x zeroed); after k acceptances a bonus token is drawn from p
+    (Leviathan et al. 2023), so every emitted token is distributed as p. Uniforms come from the
+    request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
     """
     k = len(draft)
     if logits.shape[0] != k + 1:
         raise ValueError(f"logits must have len(draft) + 1 = {k + 1} rows, got {logits.shape[0]}")
+    if q is not None and q.shape[0] != k:
+        raise ValueError(f"q must have len(draft) = {k} rows, got {q.shape[0]}")
     if params.greedy:
         best = logits.argmax(-1).tolist()
         n = 0
@@ -132,12 +136,19 @@ def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingPar
             n += 1
         return list(draft[:n]) + [best[n]], n
     p = target_probs(logits, [params] * (k + 1))
-    p_draft = p[torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)].tolist()
+    rows, cols = torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)
+    p_draft = p[rows, cols].tolist()
+    q_draft = [1.0] * k if q is None else q.to(p.device)[rows, cols].tolist()
     for j in range(k):
-        if rng.random() < p_draft[j]:
+        if rng.random() * q_draft[j] < p_draft[j]:  # u < p / q without dividing by a tiny q
             continue
-        residual = p[j].clone()
-        residual[draft[j]] = 0.0
+        if q is None:
+            residual = p[j].clone()
+            residual[draft[j]] = 0.0
+        else:
+            residual = (p[j] - q[j].to(p.device)).clamp_(min=0.0)
+            if not float(residual.sum()) > 0.0:  # only by rounding (p == q would have accepted): draw from p
+                residual = p[j]
         return list(draft[:j]) + [sample_from(residual, rng.random())], j
     return list(draft) + [sample_from(p[k], rng.random())], k
 
@@ -163,31 +174,36 @@ class TokenArray:
         return self.buf[:m]
 
 
-class SpeculativeDecoder:
-    """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
-    emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
+class Proposer(Protocol):
+    """Where drafts come from. capture_layers: target layers whose hidden states the proposer reads
+    (`K3Model.forward(hidden_state_layers=...)`; [] = none), handed to `observe` for every computed
+    position the engine knows to be final (prefill chunks, decode steps, accepted verify rows)."""
 
-    def __init__(self, engine: VerifyHost, num_draft: int, min_match: int, max_match: int) -> None:
-        self.engine = engine
+    capture_layers: list[int]
+
+    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(request, most drafts allowed) -> (draft ids, their distributions [n, V] or None = point mass)."""
+        ...
+
+    def observe(self, req: Request, start: int, aux: torch.Tensor) -> None:
+        """aux [n, len(capture_layers) * H]: the captured states of req's positions start..start+n-1."""
+        ...
+
+
+class NgramSource:
+    """Prompt-lookup drafts (`NgramProposer`) as a `Proposer`: deterministic, no captured states."""
+
+    capture_layers: list[int] = []
+
+    def __init__(self, num_draft: int, min_match: int, max_match: int) -> None:
         self.proposer = NgramProposer(num_draft, min_match, max_match)
         self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> TokenArray
 
-    def split(self, decode: list[Request]) -> tuple[list[Request], list[tuple[Request, list[int]]]]:
-        """Decode requests -> (those for a plain decode step, (request, drafts) for verification).
+    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        return [(self.proposer.propose(self._tokens(r), room), None) for r, room in cands]
 
-        A draft never reaches past what the request may still emit (its bonus token included) nor past
-        the context limit, and takes pages only from free blocks (no eviction, no preemption)."""
-        eng = self.engine
-        plain, drafted = [], []
-        for r in decode:
-            room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
-            plain_only = r.slot is None or r.pending != 1 or needs_adjust(r)  # adjusted logits: no drafts
-            d = [] if plain_only else self.proposer.propose(self._tokens(r), room)
-            if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
-                drafted.append((r, d))
-            else:
-                plain.append(r)
-        return plain, drafted
+    def observe(self, req: Request, start: int, aux: torch.Tensor) -> None:
+        pass
 
     def _tokens(self, r: Request) -> np.ndarray:
         arr = self._arrays.get(r)
@@ -195,14 +211,63 @@ class SpeculativeDecoder:
             arr = self._arrays[r] = TokenArray()
         return arr.sync(r.tokens)
 
-    def run(self, drafted: list[tuple[Request, list[int]]]) -> list[Request]:
-        """Verify, accept and emit for every (request, drafts); returns the requests touched."""
+
+Drafted = tuple[Any, list[int], "torch.Tensor | None"]  # (Request, drafts, their distributions or None)
+
+
+class SpeculativeDecoder:
+    """The engine's verify path: drafts for decoding requests (from a `Proposer`), one packed verify
+    forward, acceptance, emission (stops and max_tokens honoured inside a run) and the rollback of the
+    KDA slots."""
+
+    def __init__(self, engine: VerifyHost, proposer: Proposer) -> None:
+        self.engine, self.proposer = engine, proposer
+        self.capture_layers = list(proposer.capture_layers)
+
+    def split(self, decode: list[Request]) -> tuple[list[Request], list[Drafted]]:
+        """Decode requests -> (those for a plain decode step, (request, drafts, q) for verification).
+
+        A draft never reaches past what the request may still emit (its bonus token included) nor past
+        the context limit, and takes pages only from free blocks (no eviction, no preemption)."""
+        eng = self.engine
+        plain, cands = [], []
+        for r in decode:
+            room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
+            if r.slot is None or r.pending != 1 or needs_adjust(r) or room < 1:  # adjusted logits: no drafts
+                plain.append(r)
+            else:
+                cands.append((r, room))
+        drafted = []
+        for (r, _), (d, q) in zip(cands, self.proposer.propose(cands) if cands else []):
+            if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
+                drafted.append((r, d, q))
+            else:
+                plain.append(r)
+        return plain, drafted
+
+    def observe_forward(self, batch: list[tuple[Request, int]], hidden: dict[int, torch.Tensor]) -> None:
+        """Hand the proposer the captured states of a plain forward: batch (request, new tokens) before
+        num_computed advanced; hidden {layer: [1, total, H] packed or [N, 1, H]}."""
+        aux = self.features(hidden)
+        aux = aux.reshape(-1, aux.shape[-1])
+        off = 0
+        for r, n in batch:
+            self.proposer.observe(r, r.num_computed, aux[off: off + n])
+            off += n
+
+    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The captured layers concatenated: [..., len(capture_layers) * H]."""
+        return torch.cat([hidden[i] for i in self.capture_layers], -1)
+
+    def run(self, drafted: list[Drafted]) -> list[Request]:
+        """Verify, accept and emit for every (request, drafts, q); returns the requests touched."""
         eng, m = self.engine, self.engine.metrics
         start = time.perf_counter()
-        reqs = [r for r, _ in drafted]
+        reqs = [r for r, _, _ in drafted]
         try:
             snapshot = eng.pool.read_slots([r.slot for r in reqs]) if eng.layout.kda_layers else None
-            logits = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d in drafted])
+            logits, aux = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d, _ in drafted],
+                                        capture=bool(self.capture_layers))
         except Exception as e:  # a failed forward fails its requests, never the engine
             for r in reqs:
                 eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
@@ -211,13 +276,15 @@ class SpeculativeDecoder:
         redo: list[tuple[int, int]] = []  # (row, tokens to keep computed)
         finished: list[tuple[Request, str]] = []
         off = 0
-        for i, (r, d) in enumerate(drafted):
+        for i, (r, d, q) in enumerate(drafted):
             rows = logits[off: off + len(d) + 1]
-            off += len(d) + 1
-            toks, accepted = accept_draft(rows, d, r.params, r.rng)
+            toks, accepted = accept_draft(rows, d, r.params, r.rng, q)
             m.spec_draft_tokens += len(d)
             m.spec_accepted_tokens += accepted
             kept, reason = self._emit(r, rows, toks)
+            if aux is not None and reason is None:  # states of the kept positions (computed on accepted tokens)
+                self.proposer.observe(r, r.num_computed, aux[off: off + kept])
+            off += len(d) + 1
             if reason is not None:
                 finished.append((r, reason))
             # the state must be the one after [last, kept - 1 emitted tokens]; a request that finishes
@@ -251,7 +318,7 @@ class SpeculativeDecoder:
         self.engine.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
         r.num_computed += n
 
-    def _rollback(self, drafted: list[tuple[Request, list[int]]],
+    def _rollback(self, drafted: list[Drafted],
                   snapshot: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None,
                   redo: list[tuple[int, int]]) -> None:
         """Restore the pre-verify KDA slots of the `redo` rows (snapshot: `BlockPool.read_slots` of all
@@ -274,10 +341,12 @@ class SpeculativeDecoder:
         for r, (_, n) in zip(reqs, redo):
             self._advance(r, n)
 
-    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True) -> torch.Tensor | None:
+    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True, capture: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run each request's `ids` from position num_computed (packed rows, weight-absorbed MLA as in
-        decode) and commit the KDA state; returns logits [sum of lengths, vocab] at every position.
-        num_computed is left alone (the caller advances it by what it keeps)."""
+        decode) and commit the KDA state; returns (logits [sum of lengths, vocab] at every position or
+        None, the captured states [sum of lengths, 3H] when `capture` else None). num_computed is left
+        alone (the caller advances it by what it keeps)."""
         eng = self.engine
         reqs = [r for r, _ in rows]
         ns = [len(ids) for _, ids in rows]
@@ -285,6 +354,8 @@ class SpeculativeDecoder:
                                 [r.num_computed for r in reqs], ns, absorb_mla=True, paged_mla=eng.paged_mla)
         ids = torch.tensor([t for _, seq in rows for t in seq], device=eng.device)[None]
         cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
-        h, _ = eng.model.model(ids, cu_seqlens=cu, cache=cache)
+        h, hidden = eng.model.model(ids, cu_seqlens=cu, cache=cache,
+                                    hidden_state_layers=self.capture_layers if capture else None)
         cache.commit()
-        return eng.model.lm_head(h[0]) if logits else None
+        aux = self.features(hidden)[0] if capture else None
+        return (eng.model.lm_head(h[0]) if logits else None), aux
