@@ -88,7 +88,7 @@ def ttt_forward(draft: EagleDraft, target: torch.nn.Module, ids: torch.Tensor, l
         feats = hidden
     tau, n = _tau(agree_all, idx, lengths, prompt_lens, steps)
     loss = torch.stack(losses).mean()
-    return TTTOutput(loss, [float(x) for x in losses], accs, tau, n)
+    return TTTOutput(loss, [float(x.detach()) for x in losses], accs, tau, n)
 
 
 def _shifted(x: torch.Tensor, shift: int, n: int) -> torch.Tensor:
