@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from k3.draft import data
-from k3.draft.ttt import ttt_forward
+from k3.draft.ttt import target_states, teacher_logprobs, ttt_forward
 from k3.model.draft import DraftConfig, EagleDraft, save_draft
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
 from k3.train.state import load_state, save_run_config, save_state
@@ -81,12 +81,14 @@ class DraftTrainer:
         for p in self.target.parameters():
             p.requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.target)
+        self.vocab_limit = min(self.tokenizer.vocab_size, self.target.config.text_config.vocab_size)
         torch.manual_seed(cfg.seed)
         self.draft = EagleDraft(DraftConfig.for_target(self.target.config, **cfg.draft)).to(self.device)
         self.draft.attach(self.target)
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.train_seqs, self.val_seqs = self._data(resume)
+        self._states: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if resume:
             self._resume()
         save_run_config(cfg.out, asdict(cfg))
@@ -108,20 +110,36 @@ class DraftTrainer:
         return out[0], out[1]
 
     def batch(self, seqs: list[dict], step: int | None) -> tuple[torch.Tensor, ...]:
-        """(ids [B, T], lengths [B], prompt_lens [B]); step None = all of seqs, else the seeded batch of
-        that step (a pure function of seed and step: resumable)."""
+        """(ids [B, T], lengths [B], prompt_lens [B], aux [B, T, 3H], teacher log-probs [B, T, V]);
+        step None = all of seqs, else the seeded batch of that step (a pure function of seed and step:
+        resumable)."""
         if step is None:
-            chosen = seqs
+            chosen = list(range(len(seqs)))
         else:
             g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
-            chosen = [seqs[int(i)] for i in torch.randint(len(seqs), (self.cfg.batch_size,), generator=g)]
-        T = max(len(s["ids"]) for s in chosen)
-        ids = torch.zeros(len(chosen), T, dtype=torch.long)
-        for b, s in enumerate(chosen):
-            ids[b, : len(s["ids"])] = torch.tensor(s["ids"])
-        lengths = torch.tensor([len(s["ids"]) for s in chosen])
-        prompt = torch.tensor([s["prompt_len"] for s in chosen])
-        return ids.to(self.device), lengths.to(self.device), prompt.to(self.device)
+            chosen = [int(i) for i in torch.randint(len(seqs), (self.cfg.batch_size,), generator=g)]
+        T = max(len(seqs[i]["ids"]) for i in chosen)
+        ids = torch.zeros(len(chosen), T, dtype=torch.long, device=self.device)
+        d = self.target.config.text_config.hidden_size
+        aux = torch.zeros(len(chosen), T, 3 * d, device=self.device)
+        final = torch.zeros(len(chosen), T, d, device=self.device)
+        for b, i in enumerate(chosen):
+            n = len(seqs[i]["ids"])
+            ids[b, :n] = torch.tensor(seqs[i]["ids"])
+            aux[b, :n], final[b, :n] = self._target_states(seqs, i)
+        lengths = torch.tensor([len(seqs[i]["ids"]) for i in chosen], device=self.device)
+        prompt = torch.tensor([seqs[i]["prompt_len"] for i in chosen], device=self.device)
+        return ids, lengths, prompt, aux, teacher_logprobs(self.target, final, self.vocab_limit)
+
+    def _target_states(self, seqs: list[dict], i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen target's (aux [T, 3H], final hidden [T, H]) of sequence i, computed once and kept
+        (the target is the expensive part of a step)."""
+        key = ("train" if seqs is self.train_seqs else "val", i)
+        if key not in self._states:
+            ids = torch.tensor(seqs[i]["ids"], device=self.device)[None]
+            aux, final = target_states(self.target, ids, self.draft.config.target_layers)
+            self._states[key] = (aux[0], final[0])
+        return self._states[key]
 
     # ---- training --------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -132,11 +150,11 @@ class DraftTrainer:
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
     def train_step(self) -> dict[str, Any]:
-        ids, lengths, prompt = self.batch(self.train_seqs, self.step)
+        ids, lengths, prompt, aux, logp = self.batch(self.train_seqs, self.step)
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
         self.draft.train()
-        out = ttt_forward(self.draft, self.target, ids, lengths, prompt, self.cfg.ttt_steps)
+        out = ttt_forward(self.draft, aux, logp, ids, lengths, prompt, self.cfg.ttt_steps, self.vocab_limit)
         self.opt.zero_grad(set_to_none=True)
         out.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.grad_clip)
@@ -149,8 +167,8 @@ class DraftTrainer:
     def evaluate(self) -> dict[str, Any]:
         """Held-out prompts: loss, per-step agreement and the tau estimate at K = ttt_steps."""
         self.draft.eval()
-        ids, lengths, prompt = self.batch(self.val_seqs, None)
-        out = ttt_forward(self.draft, self.target, ids, lengths, prompt, self.cfg.ttt_steps)
+        ids, lengths, prompt, aux, logp = self.batch(self.val_seqs, None)
+        out = ttt_forward(self.draft, aux, logp, ids, lengths, prompt, self.cfg.ttt_steps, self.vocab_limit)
         return {"step": self.step, "val_loss": float(out.loss), "val_step_acc": out.step_acc, "val_tau_est": out.tau}
 
     def run(self) -> dict[str, Any]:

@@ -33,40 +33,65 @@ class TTTOutput:
     """loss: scalar (mean over steps of the per-step mean soft CE); step_loss / step_acc: per step, floats
     (acc: top-1 agreement with the target over generated positions); tau: acceptance-length estimate at
     K = steps (greedy chain), over entries where all K steps fall in the generated part; positions:
-    entries that entered tau."""
+    entries that entered tau; step_logits: per step the draft's logits [B, N, V] (keep_logits only)."""
 
     loss: torch.Tensor
     step_loss: list[float]
     step_acc: list[float]
     tau: float
     positions: int
+    step_logits: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()
-def target_pass(target: torch.nn.Module, ids: torch.Tensor, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, T] -> (aux features [B, T, 3H] fp32 (the captured layers concatenated), target log-probs
-    [B, T, V] fp32)."""
+def target_states(target: torch.nn.Module, ids: torch.Tensor, layers: tuple[int, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] -> (aux features [B, T, 3H] fp32: the captured layers concatenated, the final hidden
+    states [B, T, H] fp32); `teacher_logprobs` turns the latter into the target's distributions."""
     h, hidden = target.model(ids, hidden_state_layers=list(layers))
-    aux = torch.cat([hidden[i] for i in layers], -1).float()
-    return aux, F.log_softmax(target.lm_head(h).float(), -1)
+    return torch.cat([hidden[i] for i in layers], -1).float(), h.float()
 
 
-def ttt_forward(draft: EagleDraft, target: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor,
-                prompt_lens: torch.Tensor, steps: int) -> TTTOutput:
-    """ids [B, T] long (right-padded), lengths [B] (valid tokens), prompt_lens [B] (tokens before the
-    target's own continuation). Gradients flow into the draft only."""
+@torch.no_grad()
+def teacher_logprobs(target: torch.nn.Module, final_hidden: torch.Tensor, vocab_limit: int | None = None
+                     ) -> torch.Tensor:
+    """Final hidden [B, T, H] -> the target's log-probs [B, T, V] fp32 over the first vocab_limit ids (the
+    rest -inf), the distribution the engine samples from at temperature 1."""
+    w = target.lm_head.weight
+    return F.log_softmax(_limit(target.lm_head(final_hidden.to(w.dtype)).float(), vocab_limit), -1)
+
+
+def target_pass(target: torch.nn.Module, ids: torch.Tensor, layers: tuple[int, ...],
+                vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] -> (aux [B, T, 3H], target log-probs [B, T, V]) in one target forward."""
+    aux, h = target_states(target, ids, layers)
+    return aux, teacher_logprobs(target, h, vocab_limit)
+
+
+def _limit(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    return torch.cat([logits[..., :vocab_limit], torch.full_like(logits[..., vocab_limit:], float("-inf"))], -1)
+
+
+def ttt_forward(draft: EagleDraft, aux: torch.Tensor, logp: torch.Tensor, ids: torch.Tensor,
+                lengths: torch.Tensor, prompt_lens: torch.Tensor, steps: int, vocab_limit: int | None = None,
+                *, keep_logits: bool = False) -> TTTOutput:
+    """aux [B, T, 3H] / logp [B, T, V]: the target's captured states and log-probs of ids (`target_pass`,
+    or cached `target_states` + `teacher_logprobs`); ids [B, T] long (right-padded), lengths [B] (valid
+    tokens), prompt_lens [B] (tokens before the target's own continuation); vocab_limit: ids a tokenizer
+    can produce (None = all), applied to the draft as to the target. Gradients flow into the draft only."""
     B, T = ids.shape
     N = T - 1
     if N < 1 or steps < 1:
         raise ValueError(f"need sequences of >= 2 tokens and steps >= 1, got T={T}, steps={steps}")
-    aux, logp = target_pass(target, ids, draft.config.target_layers)
     dev = ids.device
     idx = torch.arange(N, device=dev)
     causal = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
     eye = torch.eye(N, dtype=torch.bool, device=dev)
     feats = draft.fuse(aux[:, :N])
     keys, values, masks = [], [], [causal]
-    losses, accs, agree_all = [], [], []
+    losses, accs, agree_all, kept = [], [], [], []
     for s in range(steps):
         shift = 1 + s
         tok = _shifted(ids, shift, N)
@@ -77,18 +102,21 @@ def ttt_forward(draft: EagleDraft, target: torch.nn.Module, ids: torch.Tensor, l
         values.append(v)
         mask = torch.cat(masks, -1)[None].expand(B, N, -1)
         hidden = draft.finish(feats, attend(q, torch.cat(keys, 1), torch.cat(values, 1), mask))
-        logits = draft.logits(hidden).float()
-        ce = -(teacher.exp() * F.log_softmax(logits, -1)).sum(-1)  # [B, N]
+        logits = _limit(draft.logits(hidden).float(), vocab_limit)
+        lq = F.log_softmax(logits, -1).clamp(min=-1e4)  # -inf outside the limit, where the teacher is 0
+        ce = -(teacher.exp() * lq).sum(-1)  # [B, N]
         losses.append((ce * valid).sum() / valid.sum().clamp(min=1))
         agree = logits.argmax(-1) == teacher.argmax(-1)
         gen = valid & (idx[None] + 2 >= prompt_lens[:, None])  # the drafted token x_{i+2} was generated
         accs.append(float((agree & gen).sum() / gen.sum().clamp(min=1)))
         agree_all.append(agree)
+        if keep_logits:
+            kept.append(logits.detach())
         masks.append(eye)
         feats = hidden
     tau, n = _tau(agree_all, idx, lengths, prompt_lens, steps)
     loss = torch.stack(losses).mean()
-    return TTTOutput(loss, [float(x.detach()) for x in losses], accs, tau, n)
+    return TTTOutput(loss, [float(x.detach()) for x in losses], accs, tau, n, kept if keep_logits else None)
 
 
 def _shifted(x: torch.Tensor, shift: int, n: int) -> torch.Tensor:
