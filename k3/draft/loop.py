@@ -28,7 +28,7 @@ from k3.draft import data
 from k3.draft.ttt import target_states, teacher_logprobs, ttt_forward
 from k3.model.draft import DraftConfig, EagleDraft, save_draft
 from k3.train.metrics import MetricsLog, Progress, plot_losses, truncate_metrics
-from k3.train.state import load_state, save_run_config, save_state
+from k3.train.state import load_state, save_run_config, save_state, state_path
 
 
 @dataclass
@@ -87,6 +87,8 @@ class DraftTrainer:
         self.draft.attach(self.target)
         self.opt = torch.optim.AdamW(self.draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
+        if resume:
+            state_path(os.path.join(cfg.out, "checkpoint"))  # nothing to resume: say so before generating data
         self.train_seqs, self.val_seqs = self._data(resume)
         self._states: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if resume:
@@ -159,7 +161,7 @@ class DraftTrainer:
         out.loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.grad_clip)
         self.opt.step()
-        return {"step": self.step, "loss": float(out.loss), "step_loss": out.step_loss, "step_acc": out.step_acc,
+        return {"step": self.step, "loss": float(out.loss.detach()), "step_loss": out.step_loss, "step_acc": out.step_acc,
                 "tau_est": out.tau, "grad_norm": float(gnorm), "lr": self.lr_at(self.step),
                 "tokens": int(lengths.sum())}
 

@@ -145,7 +145,7 @@ def test_sampled_requests_with_draft_match_the_target_distribution(model, draft)
         batch = torch.tensor([prompt + [y] for y in range(V)])
         second = target_probs(model(batch).logits[:, -1, :V].float(), [params] * V)
     marginal = first @ second
-    n = 600
+    n = 500
     eng = _engine(model, draft, k=2, max_running=64)
     outs = eng.generate([prompt] * n, [SamplingParams(temperature=0.25, max_tokens=3, ignore_eos=True, seed=s)
                                        for s in range(n)])
