@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla variants shortconv situ attnres combine route ce trainer ncu router kdagate groupedmm gmm step ncuconv gaps dist draft
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -144,6 +144,12 @@ for s in $sections; do
       python bench/dist.py --preset ${DIST_PRESET:-k3-small} --steps ${DIST_STEPS:-6} --compile ${DIST_ARGS:-} \
         2>&1 | quiet > "$OUT/dist.txt"
       grep -E "^\||^#" "$OUT/dist.txt" ;;
+    draft)  # learned-draft (EAGLE-3) speculative decoding on k3-small: decode tokens/s plain vs draft vs n-gram and
+      # tau at batch 1, 8, 32 (a draft trained here for DRAFT_STEPS on the target's continuations; DRAFT_ARGS:
+      # more bench/draft.py flags, e.g. "--checkpoint CK --draft CK_DRAFT" for a trained target)
+      timeout ${DRAFT_S:-540} python bench/draft.py --markdown --train-steps ${DRAFT_STEPS:-300} ${DRAFT_ARGS:-} 2>&1 \
+        | quiet > "$OUT/draft.txt"
+      grep -E "^\||^# |ERROR|Error" "$OUT/draft.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, variants, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, kdagate, groupedmm, step, ncuconv, gaps)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
