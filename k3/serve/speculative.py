@@ -220,9 +220,22 @@ class SpeculativeDecoder:
     forward, acceptance, emission (stops and max_tokens honoured inside a run) and the rollback of the
     KDA slots."""
 
-    def __init__(self, engine: VerifyHost, proposer: Proposer) -> None:
-        self.engine, self.proposer = engine, proposer
-        self.capture_layers = list(proposer.capture_layers)
+    def __init__(self, engine: VerifyHost, source: Proposer) -> None:
+        self.engine, self.source = engine, source
+        self.capture_layers = list(source.capture_layers)
+
+    @property
+    def proposer(self) -> Any:
+        """The n-gram path's `NgramProposer` (replaceable by any object with its `propose(tokens, limit)`,
+        e.g. a test oracle), or the learned draft's `DraftProposer`."""
+        return self.source.proposer if isinstance(self.source, NgramSource) else self.source
+
+    @proposer.setter
+    def proposer(self, value: Any) -> None:
+        if isinstance(self.source, NgramSource):
+            self.source.proposer = value
+        else:
+            self.source = value
 
     def split(self, decode: list[Request]) -> tuple[list[Request], list[Drafted]]:
         """Decode requests -> (those for a plain decode step, (request, drafts, q) for verification).
@@ -238,7 +251,7 @@ class SpeculativeDecoder:
             else:
                 cands.append((r, room))
         drafted = []
-        for (r, _), (d, q) in zip(cands, self.proposer.propose(cands) if cands else []):
+        for (r, _), (d, q) in zip(cands, self.source.propose(cands) if cands else []):
             if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
                 drafted.append((r, d, q))
             else:
@@ -252,7 +265,7 @@ class SpeculativeDecoder:
         aux = aux.reshape(-1, aux.shape[-1])
         off = 0
         for r, n in batch:
-            self.proposer.observe(r, r.num_computed, aux[off: off + n])
+            self.source.observe(r, r.num_computed, aux[off: off + n])
             off += n
 
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -283,7 +296,7 @@ class SpeculativeDecoder:
             m.spec_accepted_tokens += accepted
             kept, reason = self._emit(r, rows, toks)
             if aux is not None and reason is None:  # states of the kept positions (computed on accepted tokens)
-                self.proposer.observe(r, r.num_computed, aux[off: off + kept])
+                self.source.observe(r, r.num_computed, aux[off: off + kept])
             off += len(d) + 1
             if reason is not None:
                 finished.append((r, reason))
