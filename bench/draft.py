@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--train-steps", type=int, default=None, help="draft training steps when --draft is not given")
     p.add_argument("--modes", default="plain,draft,ngram", help="comma list of: plain, draft, ngram")
+    p.add_argument("--prompts", default=None, help="a .jsonl of {\"ids\", \"prompt_len\"} (e.g. a train-draft run's "
+                   "held-out val.jsonl): its prompts instead of random ones (cycled to fill a batch)")
+    p.add_argument("--requests", type=int, default=None, help="requests per row (default: the batch size); "
+                   "more than the batch size queue, at most `batch` decoding together")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
     a.preset = a.preset or ("k3-tiny" if a.tiny else "k3-small")
@@ -68,13 +72,18 @@ def load_target(a: argparse.Namespace) -> K3ForCausalLM:
 
 
 def prompts(a: argparse.Namespace, vocab: int, n: int, seed: int) -> list[list[int]]:
+    if a.prompts and seed == 2:  # the measured rows (training data stays random / the draft's own)
+        with open(a.prompts) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        return [recs[i % len(recs)]["ids"][: recs[i % len(recs)]["prompt_len"]] for i in range(n)]
     rng = random.Random(seed)
     return [[rng.randrange(vocab - 256) for _ in range(a.prompt_len)] for _ in range(n)]
 
 
-def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0) -> Engine:
+def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int | None = None) -> Engine:
+    """batch: the most requests decoding together (default: the largest batch size)."""
     cfg = EngineConfig(memory_budget_bytes=(256 << 20) if a.tiny else (8 << 30), page_size=16 if a.tiny else 128,
-                       enable_prefix_cache=False, max_running=max(a.batches), speculative_ngram=ngram,
+                       enable_prefix_cache=False, max_running=batch or max(a.batches), speculative_ngram=ngram,
                        speculative_draft_tokens=a.spec_tokens)
     return Engine(target, None, cfg, eos_id=-1, draft=draft)
 
@@ -106,7 +115,7 @@ def train_here(a: argparse.Namespace, target) -> EagleDraft:
 
 
 def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple[dict, list[list[int]]]:
-    ps = prompts(a, vocab, batch, seed=2)
+    ps = prompts(a, vocab, max(batch, a.requests or 0), seed=2)
     sp = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     eng.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up (graphs, kernels)
     before = eng.stats()
@@ -121,7 +130,7 @@ def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple
     rows = s["spec_verify_rows"] - before["spec_verify_rows"]
     acc = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     toks = sum(len(o.token_ids) for o in outs)
-    return {"batch": batch, "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
+    return {"batch": batch, "requests": len(ps), "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
             "tau": round((acc + rows) / rows, 3) if rows else None}, [o.token_ids for o in outs]
 
 
@@ -137,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in a.batches:
         ref = None
         for mode in modes:
-            eng = engine(a, target, draft=draft if mode == "draft" else None, ngram=a.spec_tokens if mode == "ngram" else 0)
+            eng = engine(a, target, draft=draft if mode == "draft" else None, ngram=a.spec_tokens if mode == "ngram" else 0,
+                         batch=batch)
             row, outs = run_row(a, eng, batch, vocab)
             ref = outs if ref is None else ref
             row |= {"mode": mode, "preset": a.checkpoint or a.preset, "device": a.device, "k": a.spec_tokens,
