@@ -100,7 +100,7 @@ class DraftProposer:
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         for j in range(max(limits)):
             logits = limit_vocab(self.draft.logits(h).float(), self.vocab_limit)
-            step = self._sample(logits, reqs, toks, qs)
+            step = self.sample_drafts(logits, reqs, toks, qs)
             if j + 1 == max(limits):
                 break
             hid, k, v = self.draft(step[:, None], h[:, None], keys, values, valid)
@@ -151,7 +151,7 @@ class DraftProposer:
         return pad_sequence(ks, batch_first=True), pad_sequence(vs, batch_first=True), valid
 
     @staticmethod
-    def _sample(logits: torch.Tensor, reqs: list[Any], toks: list[list[int]], qs: list[list[torch.Tensor]]
+    def sample_drafts(logits: torch.Tensor, reqs: list[Any], toks: list[list[int]], qs: list[list[torch.Tensor]]
                 ) -> torch.Tensor:
         """One draft token per row (argmax for greedy requests, a draw from q with the request's rng
         otherwise; q appended to qs) -> ids [B]."""

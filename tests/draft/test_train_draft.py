@@ -86,6 +86,17 @@ def test_train_draft_cli_writes_metrics_checkpoint_and_a_servable_draft(setup, t
     print(f"trained smoke draft, temperature 1, k=3: mean acceptance length {tau:.2f}")
     assert tau > 1.0
 
+    # `k3 generate --draft` prints what the same engine prints without it (greedy)
+    capsys.readouterr()
+    common = ["generate", "--checkpoint", target, "--prompt", "the quick brown", "--max-new-tokens", "12",
+              "--temperature", "0", "--device", "cpu"]
+    assert main(common + ["--engine"]) == 0
+    plain = capsys.readouterr()
+    assert main(common + ["--draft", str(out / "final"), "--spec-tokens", "3"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and len(plain.out) > len("the quick brown")
+    assert "mean acceptance length" in spec.err
+
 
 def test_resume_is_exact(setup, tmp_path):
     target, corpus = setup

@@ -55,7 +55,7 @@ def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
     verify runs are accepted in full, in part and not at all; the draft's own forward, KV cache and the
     engine's capture / rollback all still run."""
     prop, calls = eng.spec.proposer, [0]
-    own = prop._sample
+    own = prop.sample_drafts
 
     def sample(logits, reqs, toks, qs):
         own(logits, reqs, toks, qs)
@@ -68,7 +68,7 @@ def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
                     toks[b][-1] = seq[len(ctx)]
         return torch.tensor([t[-1] for t in toks])
 
-    prop._sample = sample
+    prop.sample_drafts = sample
 
 
 def test_greedy_with_draft_equals_plain_decoding(model, draft):
