@@ -92,7 +92,7 @@ _HELP = {
                                     "token, averaged over rows (tau)"),
     "spec_verify_forwards": ("counter", "Speculative verify forwards"),
     "spec_verify_rows": ("counter", "Requests summed over speculative verify forwards"),
-    "spec_rerun_forwards": ("counter", "Second forwards that recompute the accepted prefix after a rejection"),
+    "spec_rerun_forwards": ("counter", "Rollbacks of partly rejected verify runs (KDA states replayed to the accepted prefix)"),
     "spec_verify_seconds": ("counter", "Wall seconds in the speculative verify path (forwards and acceptance)"),
     "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),

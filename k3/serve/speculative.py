@@ -13,11 +13,13 @@ Rolling back the hybrid cache (spec section 7):
   rejected drafts are dead and are overwritten when real tokens reach those positions. Pages
   allocated for them stay with the request until it is released.
 * KDA recurrent state + conv tail: overwritten in place by every token, so the verifying rows'
-  slots are snapshotted before the forward; when fewer than k + 1 tokens are kept (a rejection, or
-  a stop / max_tokens inside the run) the snapshot is restored and the kept tokens are run again, so
-  the slot holds exactly the state after the kept prefix. That second forward is the cost of this
-  simple design; per-position states from the recurrent kernel (`fused_recurrent_kda` with
-  intermediate states + `commit_states`) would make rollback a slot selection instead.
+  slots are snapshotted before the forward, and every KDA layer records its inputs of the verify
+  forward (pre-conv q|k|v, q, k, v, gate input, beta; `PagedBatchCache.kda_inputs`). When fewer than
+  k + 1 tokens are kept (a rejection, or a stop / max_tokens inside the run), the slot is rebuilt from
+  the snapshot by replaying only the recurrence and the conv tail over the kept tokens' recorded
+  inputs (`KDAttention.replay`), which are exact because nothing before a position depends on what
+  follows it: the slot holds the state after exactly the kept prefix (spec section 7.2, "replay").
+  The cost is the recurrence over <= k + 1 tokens per KDA layer, not a second model forward.
 * Prefix-cache checkpoints are taken only from that rolled-back state (a finishing request donates
   its slot after the rollback), so no checkpoint ever lies inside a rejected draft.
 
@@ -279,8 +281,9 @@ class SpeculativeDecoder:
         reqs = [r for r, _, _ in drafted]
         try:
             snapshot = eng.pool.read_slots([r.slot for r in reqs]) if eng.layout.kda_layers else None
+            record: dict[int, tuple] = {}  # KDA layer -> its inputs in this forward, for the rollback's replay
             logits, aux = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d, _ in drafted],
-                                        capture=bool(self.capture_layers))
+                                        capture=bool(self.capture_layers), record=record)
         except Exception as e:  # a failed forward fails its requests, never the engine
             for r in reqs:
                 eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
@@ -309,7 +312,7 @@ class SpeculativeDecoder:
         m.spec_verify_forwards += 1
         m.spec_verify_rows += len(drafted)
         if redo:
-            self._rollback(drafted, snapshot, redo)
+            self._rollback(drafted, snapshot, redo, record)
         for r, reason in finished:
             if r.status != "finished":
                 eng.finish_request(r, reason)
@@ -333,38 +336,45 @@ class SpeculativeDecoder:
 
     def _rollback(self, drafted: list[Drafted],
                   snapshot: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None,
-                  redo: list[tuple[int, int]]) -> None:
-        """Restore the pre-verify KDA slots of the `redo` rows (snapshot: `BlockPool.read_slots` of all
-        verify rows, {layer: [N, H, K, V] fp32}, {layer: [N, W-1, C]}) and recompute their kept tokens."""
+                  redo: list[tuple[int, int]], record: dict[int, tuple]) -> None:
+        """Set the KDA slots of the `redo` rows (row, kept tokens) to the state after their kept tokens:
+        from the pre-verify snapshot (`BlockPool.read_slots` of all verify rows, {layer: [N, H, K, V]
+        fp32}, {layer: [N, W-1, C]}) and the inputs each KDA layer recorded in the verify forward, only
+        the recurrence and the conv tail are replayed (`KDAttention.replay`): the kept positions' inputs
+        are those of the verify forward, since nothing before a position depends on what follows it."""
         eng = self.engine
         reqs = [drafted[i][0] for i, _ in redo]
+        ns = [n for _, n in redo]
         if snapshot is not None:
+            starts = [0]
+            for _, d, _ in drafted:
+                starts.append(starts[-1] + len(d) + 1)
+            rows = [starts[i] for i, _ in redo]
             idx = torch.tensor([i for i, _ in redo], device=eng.pool.device)
             states, tails = snapshot
-            eng.pool.write_slots([r.slot for r in reqs], {k: v[idx] for k, v in states.items()},
-                                 {k: v[idx] for k, v in tails.items()})
-        try:
-            self._forward([(r, r.tokens[r.num_computed: r.num_computed + n]) for r, (_, n) in zip(reqs, redo)],
-                          logits=False)
-        except Exception as e:  # as above: only these requests fail
-            for r in reqs:
-                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
-            return
+            new_states, new_tails = {}, {}
+            for layer, inputs in record.items():
+                padded = tuple(_rows(x[0], rows, ns) for x in inputs)
+                attn = eng.model.model.layers[layer].self_attn
+                new_states[layer], new_tails[layer] = attn.replay(states[layer][idx], tails[layer][idx], padded, ns)
+            eng.pool.write_slots([r.slot for r in reqs], new_states, new_tails)
         eng.metrics.spec_rerun_forwards += 1
-        for r, (_, n) in zip(reqs, redo):
+        for r, n in zip(reqs, ns):
             self._advance(r, n)
 
-    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True, capture: bool = False
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True, capture: bool = False,
+                 record: dict[int, tuple] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run each request's `ids` from position num_computed (packed rows, weight-absorbed MLA as in
         decode) and commit the KDA state; returns (logits [sum of lengths, vocab] at every position or
         None, the captured states [sum of lengths, 3H] when `capture` else None). num_computed is left
-        alone (the caller advances it by what it keeps)."""
+        alone (the caller advances it by what it keeps). record: filled with each KDA layer's inputs
+        (`KDAttention.forward` with a cache's `kda_inputs`)."""
         eng = self.engine
         reqs = [r for r, _ in rows]
         ns = [len(ids) for _, ids in rows]
         cache = PagedBatchCache(eng.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=True, paged_mla=eng.paged_mla)
+        cache.kda_inputs = record
         ids = torch.tensor([t for _, seq in rows for t in seq], device=eng.device)[None]
         cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
         h, hidden = eng.model.model(ids, cu_seqlens=cu, cache=cache,
@@ -372,3 +382,11 @@ class SpeculativeDecoder:
         cache.commit()
         aux = self.features(hidden)[0] if capture else None
         return (eng.model.lm_head(h[0]) if logits else None), aux
+
+
+def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
+    """Packed [total, ...] -> [len(starts), max(ns), ...]: row i = x[starts[i]: starts[i] + ns[i]], zero padded."""
+    out = x.new_zeros((len(starts), max(ns), *x.shape[1:]))
+    for i, (s, n) in enumerate(zip(starts, ns)):
+        out[i, :n] = x[s: s + n]
+    return out
