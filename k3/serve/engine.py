@@ -31,7 +31,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
-from k3.serve.speculative import NgramSource, SpeculativeDecoder
+from k3.serve.speculative import make_speculator
 
 
 @dataclass
@@ -190,21 +190,8 @@ class Engine:
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
                                    use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
-        self.spec = self._speculator(draft)
-
-    def _speculator(self, draft: Any) -> SpeculativeDecoder | None:
-        cfg = self.config
-        if draft is not None and cfg.speculative_ngram:
-            raise ValueError("use either a learned draft or n-gram speculation (speculative_ngram), not both")
-        if draft is not None:
-            from k3.serve.draft_spec import DraftProposer
-
-            return SpeculativeDecoder(self, DraftProposer(draft, self.model, cfg.speculative_draft_tokens,
-                                                          self.vocab_limit))
-        if cfg.speculative_ngram:
-            return SpeculativeDecoder(self, NgramSource(cfg.speculative_ngram, cfg.speculative_min_match,
-                                                        cfg.speculative_max_match))
-        return None
+        self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
+                                    draft, cfg.speculative_draft_tokens)
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:

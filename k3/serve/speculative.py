@@ -390,3 +390,18 @@ def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
     for i, (s, n) in enumerate(zip(starts, ns)):
         out[i, :n] = x[s: s + n]
     return out
+
+
+def make_speculator(engine: VerifyHost, ngram: int, min_match: int, max_match: int, draft: Any = None,
+                    draft_tokens: int = 4) -> SpeculativeDecoder | None:
+    """The engine's verify path: learned-draft speculation when `draft` (an `EagleDraft`) is given
+    (`draft_tokens` drafts per step), n-gram speculation when ngram > 0, else None."""
+    if draft is not None and ngram:
+        raise ValueError("use either a learned draft or n-gram speculation (speculative_ngram), not both")
+    if draft is not None:
+        from k3.serve.draft_spec import DraftProposer  # k3.model.draft is loaded only when a draft is used
+
+        return SpeculativeDecoder(engine, DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit))
+    if ngram:
+        return SpeculativeDecoder(engine, NgramSource(ngram, min_match, max_match))
+    return None

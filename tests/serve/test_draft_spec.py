@@ -176,3 +176,20 @@ def test_a_draft_of_another_model_is_refused(model):
         _engine(model, EagleDraft(DraftConfig.for_target(model.config)), speculative_ngram=2)
     with pytest.raises(ValueError, match="speculative_draft_tokens"):
         _engine(model, None, k=0)
+
+
+def test_serve_cli_draft_flags(model, draft, tokenizer, tmp_path, capsys):
+    from k3.cli import build_parser
+    from k3.cli.serve import build
+    from k3.model.draft import save_draft
+
+    save_draft(draft, tmp_path / "draft")
+    base = ["serve", "--preset", "k3-tiny", "--tokenizer", tokenizer.directory, "--memory-budget-mb", "16",
+            "--threads", "1", "--device", "cpu"]
+    _, eng = build(build_parser().parse_args(base + ["--draft", str(tmp_path / "draft"), "--spec-tokens", "3"]))
+    assert eng.spec.capture_layers == [1, 3, 6] and eng.spec.proposer.k == 3
+    assert "k3_spec_mean_acceptance_length" in prometheus_text(eng.stats())
+    save_draft(EagleDraft(DraftConfig.for_target(model.config, vocab_size=512)), tmp_path / "other")
+    bad = build_parser().parse_args(base + ["--draft", str(tmp_path / "other")])
+    assert bad.func(bad) == 2
+    assert "vocab_size: draft 512, target 4096" in capsys.readouterr().err
