@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--target-layers", default=None, metavar="L,M,H",
-                   help="target layers whose hidden states the draft fuses (default: 1, depth/2, depth)")
+                   help="target layers whose hidden states the draft fuses (default: 1, depth/2, depth-1)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.set_defaults(func=run)
 

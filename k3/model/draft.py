@@ -3,7 +3,7 @@
 The target (`K3ForCausalLM`) exposes the hidden states entering chosen layers through its existing
 `hidden_state_layers` argument (`K3Model.forward`: index l < num_layers is the AttnRes mix entering
 layer l's mixer, l = num_layers the pre-norm output mix). The draft takes three of them (low, middle,
-high; `DraftConfig.target_layers`) at position i, concatenates them [.., 3H] and projects them to H
+high; `DraftConfig.target_layers`, `default_target_layers`) at position i, concatenates them [.., 3H] and projects them to H
 (`fuse`). Entry i of the draft's sequence is the pair (feature of target position i, token i + 1);
 its output predicts token i + 2:
 
@@ -52,11 +52,13 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def default_target_layers(num_layers: int) -> tuple[int, int, int]:
-    """(low, middle, high) capture indices for a target of `num_layers` layers: the state entering
-    layer 1, the one entering the middle layer, and the pre-norm output mix (index num_layers)."""
+    """(low, middle, high) capture indices for a target of `num_layers` layers: the states entering
+    layer 1, the middle layer and the last layer. Not the output mix (index num_layers): capturing it
+    splits the fused output-mix + final-norm kernel in two, which may round the target's logits
+    differently from a forward without capture."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    return (min(1, num_layers), num_layers // 2, num_layers)
+    return (min(1, num_layers - 1), num_layers // 2, num_layers - 1)
 
 
 @dataclass

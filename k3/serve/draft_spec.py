@@ -132,7 +132,7 @@ class DraftProposer:
             s.k = k[b, : n[b]] if s.k is None else torch.cat([s.k, k[b, : n[b]]])
             s.v = v[b, : n[b]] if s.v is None else torch.cat([s.v, v[b, : n[b]]])
             s.pending, s.pending_start = [], s.next_pos
-        return hid[torch.arange(len(reqs)), torch.tensor(n) - 1]
+        return hid[torch.arange(len(reqs), device=hid.device), torch.tensor(n, device=hid.device) - 1]
 
     def _padded_cache(self, reqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The requests' committed draft caches right-padded: keys, values [B, S, heads, head_dim] and

@@ -30,8 +30,8 @@ def draft(target) -> EagleDraft:
 
 
 def test_default_layers_and_config_checks(target):
-    assert default_target_layers(6) == (1, 3, 6)
-    assert default_target_layers(1) == (1, 0, 1)
+    assert default_target_layers(6) == (1, 3, 5)
+    assert default_target_layers(1) == (0, 0, 0)
     c = DraftConfig.for_target(target.config)
     assert (c.hidden_size, c.vocab_size, c.target_num_layers) == (256, 4096, 6)
     with pytest.raises(ValueError, match="target_layers"):

@@ -187,7 +187,7 @@ def test_serve_cli_draft_flags(model, draft, tokenizer, tmp_path, capsys):
     base = ["serve", "--preset", "k3-tiny", "--tokenizer", tokenizer.directory, "--memory-budget-mb", "16",
             "--threads", "1", "--device", "cpu"]
     _, eng = build(build_parser().parse_args(base + ["--draft", str(tmp_path / "draft"), "--spec-tokens", "3"]))
-    assert eng.spec.capture_layers == [1, 3, 6] and eng.spec.proposer.k == 3
+    assert eng.spec.capture_layers == [1, 3, 5] and eng.spec.proposer.k == 3
     assert "k3_spec_mean_acceptance_length" in prometheus_text(eng.stats())
     save_draft(EagleDraft(DraftConfig.for_target(model.config, vocab_size=512)), tmp_path / "other")
     bad = build_parser().parse_args(base + ["--draft", str(tmp_path / "other")])
