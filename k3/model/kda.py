@@ -204,7 +204,7 @@ class KDAttention(nn.Module):
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
         record = getattr(cache, "kda_inputs", None)  # speculative verify: keep the inputs for a replay
         if record is not None:
-            record[self.layer_idx] = (raw, q, k, v, f, b.float())
+            record[self.layer_idx] = (raw, k, v, f, b.float())
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
         if hooks is not None:
             initial = hooks.kda_initial_state(self, k, v, f, b.float(), layout)
@@ -228,14 +228,14 @@ class KDAttention(nn.Module):
                n: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The recurrent state and conv tail after the first n[i] tokens of row i, rebuilt from the state
         and tail before them and the layer's inputs recorded during a forward over those rows (a cache
-        with a `kda_inputs` dict; rows padded [N, T, ...]): (raw pre-conv q|k|v [N, T, 3HK], q, k, v,
+        with a `kda_inputs` dict; rows padded [N, T, ...]): (raw pre-conv q|k|v [N, T, 3HK], k, v,
         f [N, T, H, K], b [N, T, H] fp32). Speculative decoding's rollback: only the recurrence runs.
         state [N, H, K, K] fp32, tail [N, W-1, 3HK]; n[i] in 1..T. Returns (state, tail) like them."""
-        raw, q, k, v, f, b = inputs
+        raw, k, v, f, b = inputs
         out_s = state.clone()
         S = state.float()
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        qf, kf, vf, beta = l2norm(q).float(), l2norm(k).float(), v.float(), torch.sigmoid(b)
+        kf, vf, beta = l2norm(k).float(), v.float(), torch.sigmoid(b)
         for t in range(max(n)):
             S = S * g[:, t].exp()[..., None]
             u = beta[:, t, :, None] * (vf[:, t] - torch.einsum("nhk,nhkv->nhv", kf[:, t], S))

@@ -14,7 +14,7 @@ Rolling back the hybrid cache (spec section 7):
   allocated for them stay with the request until it is released.
 * KDA recurrent state + conv tail: overwritten in place by every token, so the verifying rows'
   slots are snapshotted before the forward, and every KDA layer records its inputs of the verify
-  forward (pre-conv q|k|v, q, k, v, gate input, beta; `PagedBatchCache.kda_inputs`). When fewer than
+  forward (pre-conv q|k|v, k, v, gate input, beta; `PagedBatchCache.kda_inputs`). When fewer than
   k + 1 tokens are kept (a rejection, or a stop / max_tokens inside the run), the slot is rebuilt from
   the snapshot by replaying only the recurrence and the conv tail over the kept tokens' recorded
   inputs (`KDAttention.replay`), which are exact because nothing before a position depends on what
