@@ -18,9 +18,10 @@ feature of the next entry (as in EAGLE-3; training unrolls this: `k3.draft.ttt`)
 Choices:
 * Attention is plain causal softmax attention without positional encoding (NoPE), not MLA/KDA: the
   draft sees at most a few thousand positions, its features already carry position information from
-  the target's KDA layers (K3's own MLA layers are NoPE too), and a plain KV cache is trivially rolled
-  back (truncate) and can skip positions it has no feature for (prefix-cache hits) without
-  renumbering anything. A recurrent draft would need its own per-position state rollback.
+  the target's KDA layers (K3's own MLA layers are NoPE too), and a plain KV cache needs no rollback
+  (the serving path drops its speculative entries) and can skip positions it has no feature for
+  (prefix-cache hits) without renumbering anything. A recurrent (KDA) draft would need its own
+  per-position state rollback.
 * Vocabulary: the target's full vocabulary; the target's token embedding and LM head are shared by
   reference (`attach`), frozen and not stored in the draft checkpoint. A reduced draft vocabulary
   with a d2t map saves LM-head FLOPs only when the vocabulary is large relative to H (K3: 160k x 7168);
