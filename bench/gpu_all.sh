@@ -151,7 +151,13 @@ for s in $sections; do
       grep -E "passed|failed|^FAILED|^E " "$OUT/mxfp4_tests.txt" | head -20
       python bench/mxfp4_gemm.py --batches 1,4,16,64 --reps 10 --sweep ${MXFP4_ARGS:-} 2>&1 | quiet > "$OUT/mxfp4.txt"
       grep -E "^\||^# best|^device" "$OUT/mxfp4.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4)"; exit 2 ;;
+    draft)  # learned-draft (EAGLE-3) speculative decoding on k3-small: decode tokens/s plain vs draft vs n-gram and
+      # tau at batch 1, 8, 32 (a draft trained here for DRAFT_STEPS on the target's continuations; DRAFT_ARGS:
+      # more bench/draft.py flags, e.g. "--checkpoint CK --draft CK_DRAFT" for a trained target)
+      timeout ${DRAFT_S:-540} python bench/draft.py --markdown --train-steps ${DRAFT_STEPS:-300} ${DRAFT_ARGS:-} 2>&1 \
+        | quiet > "$OUT/draft.txt"
+      grep -E "^\||^# |ERROR|Error" "$OUT/draft.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

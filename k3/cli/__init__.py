@@ -21,6 +21,7 @@ COMMANDS = [
     "rl",
     "distill",
     "quantize",
+    "train_draft",
 ]
 
 

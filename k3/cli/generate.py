@@ -28,6 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--packed-experts", action="store_true",
                    help="keep the routed experts packed MXFP4 in memory (4.25 bits/weight; the CUDA path runs the "
                         "MXFP4 grouped GEMM); BF16 checkpoints are quantised on load")
+    p.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (`k3 train-draft` OUT/final): "
+                   "speculative decoding through the serving engine (same output distribution)")
+    p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per step with --draft")
+    p.add_argument("--engine", action="store_true", help="decode through the serving engine without a draft "
+                   "(the baseline of --draft)")
     p.set_defaults(func=run)
 
 
@@ -78,7 +83,14 @@ def run(args: argparse.Namespace) -> int:
     out: list[int] = []
     shown = ""
     t0 = time.perf_counter()
-    for _, tok_id in generate_stream(model, [ids], params, seed=args.seed):
+    if args.draft or args.engine:
+        from k3.cli.spec_generate import engine_stream
+
+        stream, summary = engine_stream(model, tok, ids, dataclasses.replace(params, seed=args.seed), args.draft,
+                                        args.spec_tokens)
+    else:
+        stream, summary = ((t for _, t in generate_stream(model, [ids], params, seed=args.seed)), lambda: "")
+    for tok_id in stream:
         if tok_id in params.stop_token_ids:
             break
         out.append(tok_id)
@@ -87,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             print(text[len(shown):], end="", flush=True)
             shown = text
     dt = time.perf_counter() - t0
-    print(f"\n[{len(out)} tokens, {len(out) / max(dt, 1e-9):.1f} tok/s]", file=sys.stderr)
+    print(f"\n[{len(out)} tokens, {len(out) / max(dt, 1e-9):.1f} tok/s{summary()}]", file=sys.stderr)
     return 0
 
 

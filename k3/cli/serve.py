@@ -46,6 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="shortest context suffix (tokens) an n-gram draft must match")
     p.add_argument("--speculative-max-match", type=int, default=4,
                    help="longest context suffix (tokens) tried for an n-gram draft")
+    p.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (`k3 train-draft` OUT/final) for "
+                   "learned speculative decoding (greedy: exact match; sampling: lossless rejection sampling)")
+    p.add_argument("--spec-tokens", type=int, default=4, metavar="K", help="draft tokens per step with --draft")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the elementwise regions (fused norms, activations, AttnRes, router); "
                         "on CUDA the compiled kernels are captured in the decode graphs")
@@ -117,14 +120,26 @@ def build(args: argparse.Namespace):
                        short_prefill_budget=args.prefill_budget, long_prefill_budget=args.prefill_budget,
                        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
                        speculative_ngram=args.speculative_ngram, speculative_min_match=args.speculative_min_match,
-                       speculative_max_match=args.speculative_max_match)
-    engine = Engine(model, tokenizer, cfg)
+                       speculative_max_match=args.speculative_max_match,
+                       speculative_draft_tokens=args.spec_tokens)
+    draft = None
+    if args.draft:
+        from k3.model.draft import load_draft
+
+        draft = load_draft(args.draft, model)
+    engine = Engine(model, tokenizer, cfg, draft=draft)
     names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
     scfg = ServerConfig(model_names=names, default_max_tokens=args.default_max_tokens,
                         max_image_bytes=int(args.max_image_mb * (1 << 20)), allow_local_media=not args.no_local_media,
                         clamp_max_tokens=args.clamp_max_tokens)
     app = build_app(AsyncEngine(engine), tokenizer, scfg)
     return app, engine
+
+
+def _spec_label(args: argparse.Namespace, engine) -> str:
+    if engine.spec is None:
+        return "off"
+    return f"draft k={args.spec_tokens}" if args.draft else f"ngram k={args.speculative_ngram}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,14 +149,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host}: the API has no authentication", file=sys.stderr)
     try:
         app, engine = build(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError (a draft of another model) is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
     names = app.state.k3.cfg.model_names
     print(f"k3 serve: model {names[0]!r} on http://{args.host}:{args.port}/v1 "
           f"(cache {engine.pool.usable} blocks x {engine.layout.block_bytes} B, "
           f"prefix cache {'on' if engine.prefix is not None else 'off'}, "
-          f"speculative {f'ngram k={args.speculative_ngram}' if engine.spec is not None else 'off'}, "
+          f"speculative {_spec_label(args, engine)}, "
           f"images {'on' if engine.vision is not None else 'off'})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -198,9 +198,13 @@ class KDAttention(nn.Module):
             qkv, g_in, f_a, b = linear_multi(x, groups, self.step_cache)
             if hooks is not None:
                 tail = hooks.conv_history(qkv, conv_w.shape[-1], layout)
+            raw = qkv
             qkv, new_tail = causal_conv_silu(qkv, conv_w, layout, tail)
             q, k, v = (t.reshape(B, T, H, K) for t in qkv.split(H * K, dim=-1))
         f = self.f_b_proj(f_a).reshape(B, T, H, K)
+        record = getattr(cache, "kda_inputs", None)  # speculative verify: keep the inputs for a replay
+        if record is not None:
+            record[self.layer_idx] = (raw, k, v, f, b.float())
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
         if hooks is not None:
             initial = hooks.kda_initial_state(self, k, v, f, b.float(), layout)
@@ -218,6 +222,30 @@ class KDAttention(nn.Module):
             cache.conv_tail[self.layer_idx] = new_tail
         o = self.kernels.gated_rms_norm(o, self.o_norm.weight, g_in.reshape(B, T, H, K), self.eps, x.dtype)
         return linear_residual(o.reshape(B, T, H * K), self.o_proj.gemm_weight(), residual)
+
+    @torch.no_grad()
+    def replay(self, state: torch.Tensor, tail: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+               n: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrent state and conv tail after the first n[i] tokens of row i, rebuilt from the state
+        and tail before them and the layer's inputs recorded during a forward over those rows (a cache
+        with a `kda_inputs` dict; rows padded [N, T, ...]): (raw pre-conv q|k|v [N, T, 3HK], k, v,
+        f [N, T, H, K], b [N, T, H] fp32). Speculative decoding's rollback: only the recurrence runs.
+        state [N, H, K, K] fp32, tail [N, W-1, 3HK]; n[i] in 1..T. Returns (state, tail) like them."""
+        raw, k, v, f, b = inputs
+        out_s = state.clone()
+        S = state.float()
+        g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        kf, vf, beta = l2norm(k).float(), v.float(), torch.sigmoid(b)
+        for t in range(max(n)):
+            S = S * g[:, t].exp()[..., None]
+            u = beta[:, t, :, None] * (vf[:, t] - torch.einsum("nhk,nhkv->nhv", kf[:, t], S))
+            S = S + kf[:, t, :, :, None] * u[:, :, None, :]
+            done = torch.tensor([m == t + 1 for m in n], device=S.device)
+            out_s[done] = S[done]
+        W1 = tail.shape[1]
+        ext = torch.cat([tail.to(raw.dtype), raw], 1)  # [N, W-1+T, C]
+        new_tail = torch.stack([ext[i, m: m + W1] for i, m in enumerate(n)])
+        return out_s, new_tail.to(tail.dtype)
 
     def _decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

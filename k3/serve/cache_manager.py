@@ -227,6 +227,8 @@ class PagedBatchCache:
         self.paged_mla = paged_mla and absorb_mla and all(n == 1 for n in new_lens)
         self._attend_lens = torch.tensor([p + n for p, n in zip(past_lens, new_lens)], dtype=torch.long, device=dev)
         self.kda_state, self.conv_tail = pool.read_slots(slots) if pool.layout.kda_layers else ({}, {})
+        # a dict here makes every KDA layer record its inputs (KDAttention.forward): speculative rollback replays them
+        self.kda_inputs: dict[int, tuple] | None = None
         page = pool.layout.page_size
         width = max(len(p) for p in page_tables)
         tables = torch.tensor([p + [0] * (width - len(p)) for p in page_tables], dtype=torch.long)

@@ -31,7 +31,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
-from k3.serve.speculative import SpeculativeDecoder
+from k3.serve.speculative import make_speculator
 
 
 @dataclass
@@ -52,6 +52,8 @@ class EngineConfig:
     speculative_ngram: draft length k of prompt-lookup speculative decoding (0 = off); drafts come
     from the longest earlier match of the context's last speculative_min_match..max_match tokens
     (`k3.serve.speculative`; exact for greedy and sampled requests).
+    speculative_draft_tokens: draft length k of learned-draft (EAGLE-3) speculation when the engine is
+    given a draft model (`Engine(..., draft=)`, `k3.serve.draft_spec`); exact likewise.
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -78,6 +80,7 @@ class EngineConfig:
     speculative_ngram: int = 0
     speculative_min_match: int = 2
     speculative_max_match: int = 4
+    speculative_draft_tokens: int = 4
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -89,7 +92,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
-        for name in ("speculative_min_match", "speculative_max_match"):
+        for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -148,7 +151,9 @@ def pick_kda_backend(device: torch.device) -> str:
 
 class Engine:
     def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None, *,
-                 eos_id: int | None = None) -> None:
+                 eos_id: int | None = None, draft: Any = None) -> None:
+        """draft: an `EagleDraft` (`k3.model.draft.load_draft(dir, model)`) for learned speculative
+        decoding with `config.speculative_draft_tokens` drafts per step; None = off."""
         self.config = cfg = (config or EngineConfig()).validate()
         self.model, self.tokenizer = model.eval(), tokenizer
         tc = model.config.text_config
@@ -185,8 +190,8 @@ class Engine:
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
                                    use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
-        self.spec = (SpeculativeDecoder(self, cfg.speculative_ngram, cfg.speculative_min_match,
-                                        cfg.speculative_max_match) if cfg.speculative_ngram else None)
+        self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
+                                    draft, cfg.speculative_draft_tokens)
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -389,7 +394,8 @@ class Engine:
         """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
-        if decode and self.runner is not None:
+        capture = self.spec.capture_layers if self.spec is not None else []  # a learned draft reads them
+        if decode and self.runner is not None and not capture:  # the graphs capture no hidden states
             logits = self.runner.decode([r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs],
                                         [r.slot for r in reqs], [r.pages for r in reqs])
             if logits is not None:  # else: beyond the runner's buckets, run the dynamic path
@@ -399,17 +405,19 @@ class Engine:
                                 [r.num_computed for r in reqs], ns, absorb_mla=decode, paged_mla=self.paged_mla)
         if decode:
             ids = torch.tensor([[r.tokens[r.num_computed]] for r in reqs], device=self.device)
-            h, _ = self.model.model(ids, cache=cache)
+            h, hidden = self.model.model(ids, cache=cache, hidden_state_layers=capture or None)
             last = h[:, -1]
         else:
             flat = [t for r, n in batch for t in r.tokens[r.num_computed: r.num_computed + n]]
             ids = torch.tensor(flat, device=self.device)[None]
             cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
             embeds = prefill_embeds(self.model, ids, batch)  # media rows spliced in, or None
-            h, _ = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
-                                    cache=cache)
+            h, hidden = self.model.model(None if embeds is not None else ids, inputs_embeds=embeds, cu_seqlens=cu,
+                                         cache=cache, hidden_state_layers=capture or None)
             last = h[0, to_device_async(cu[1:] - 1, self.device)]
         cache.commit()
+        if capture:
+            self.spec.observe_forward(batch, hidden)
         self._computed(batch)
         return self.model.lm_head(last)
 

@@ -71,6 +71,8 @@ class EngineMetrics:
             "spec_rerun_forwards": self.spec_rerun_forwards, "spec_verify_seconds": self.spec_verify_seconds,
             "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_draft_tokens
                                      if self.spec_draft_tokens else 0.0),
+            "spec_mean_acceptance_length": ((self.spec_accepted_tokens + self.spec_verify_rows) / self.spec_verify_rows
+                                            if self.spec_verify_rows else 0.0),
         }
 
 
@@ -86,9 +88,11 @@ _HELP = {
     "spec_draft_tokens": ("counter", "Speculative draft tokens proposed (and verified)"),
     "spec_accepted_tokens": ("counter", "Speculative draft tokens accepted by the target model"),
     "spec_acceptance_rate": ("gauge", "spec_accepted_tokens / spec_draft_tokens"),
+    "spec_mean_acceptance_length": ("gauge", "Tokens per speculative verify row: accepted drafts + the target's own "
+                                    "token, averaged over rows (tau)"),
     "spec_verify_forwards": ("counter", "Speculative verify forwards"),
     "spec_verify_rows": ("counter", "Requests summed over speculative verify forwards"),
-    "spec_rerun_forwards": ("counter", "Second forwards that recompute the accepted prefix after a rejection"),
+    "spec_rerun_forwards": ("counter", "Rollbacks of partly rejected verify runs (KDA states replayed to the accepted prefix)"),
     "spec_verify_seconds": ("counter", "Wall seconds in the speculative verify path (forwards and acceptance)"),
     "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),

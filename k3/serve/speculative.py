@@ -13,11 +13,13 @@ Rolling back the hybrid cache (spec section 7):
   rejected drafts are dead and are overwritten when real tokens reach those positions. Pages
   allocated for them stay with the request until it is released.
 * KDA recurrent state + conv tail: overwritten in place by every token, so the verifying rows'
-  slots are snapshotted before the forward; when fewer than k + 1 tokens are kept (a rejection, or
-  a stop / max_tokens inside the run) the snapshot is restored and the kept tokens are run again, so
-  the slot holds exactly the state after the kept prefix. That second forward is the cost of this
-  simple design; per-position states from the recurrent kernel (`fused_recurrent_kda` with
-  intermediate states + `commit_states`) would make rollback a slot selection instead.
+  slots are snapshotted before the forward, and every KDA layer records its inputs of the verify
+  forward (pre-conv q|k|v, k, v, gate input, beta; `PagedBatchCache.kda_inputs`). When fewer than
+  k + 1 tokens are kept (a rejection, or a stop / max_tokens inside the run), the slot is rebuilt from
+  the snapshot by replaying only the recurrence and the conv tail over the kept tokens' recorded
+  inputs (`KDAttention.replay`), which are exact because nothing before a position depends on what
+  follows it: the slot holds the state after exactly the kept prefix (spec section 7.2, "replay").
+  The cost is the recurrence over <= k + 1 tokens per KDA layer, not a second model forward.
 * Prefix-cache checkpoints are taken only from that rolled-back state (a finishing request donates
   its slot after the rollback), so no checkpoint ever lies inside a rejected draft.
 
@@ -110,21 +112,25 @@ class NgramProposer:
 
 
 def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
-                 rng: random.Random) -> tuple[list[int], int]:
+                 rng: random.Random, q: torch.Tensor | None = None) -> tuple[list[int], int]:
     """Chain acceptance for one request. logits: [k + 1, V] float32 (vocab-limited) where row j is
-    the target's prediction after the draft's first j tokens; draft: k token ids from a
-    deterministic proposer. Returns (tokens to emit: the accepted drafts then one target token,
-    number of drafts accepted).
+    the target's prediction after the draft's first j tokens; draft: k token ids. q: [k, V] float32,
+    the distributions the drafts were drawn from (a learned draft, `k3.serve.draft_spec`), or None for
+    a deterministic proposer (a point mass). Returns (tokens to emit: the accepted drafts then one
+    target token, number of drafts accepted).
 
     Greedy: accept while the draft equals the argmax; the emitted token after is the argmax.
     Sampling (p = `target_probs`, the distribution `sample_batch` draws from): draft x is accepted
-    with probability p(x) (min(1, p/q) with q a point mass); on rejection the token is drawn from p
-    with x zeroed, renormalised; after k acceptances a bonus token is drawn from p. Uniforms come
-    from the request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
+    with probability min(1, p(x) / q(x)); on rejection the token is drawn from normalise(max(0, p - q))
+    (for a point mass: p with x zeroed); after k acceptances a bonus token is drawn from p
+    (Leviathan et al. 2023), so every emitted token is distributed as p. Uniforms come from the
+    request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
     """
     k = len(draft)
     if logits.shape[0] != k + 1:
         raise ValueError(f"logits must have len(draft) + 1 = {k + 1} rows, got {logits.shape[0]}")
+    if q is not None and q.shape[0] != k:
+        raise ValueError(f"q must have len(draft) = {k} rows, got {q.shape[0]}")
     if params.greedy:
         best = logits.argmax(-1).tolist()
         n = 0
@@ -132,12 +138,19 @@ def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingPar
             n += 1
         return list(draft[:n]) + [best[n]], n
     p = target_probs(logits, [params] * (k + 1))
-    p_draft = p[torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)].tolist()
+    rows, cols = torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)
+    p_draft = p[rows, cols].tolist()
+    q_draft = [1.0] * k if q is None else q.to(p.device)[rows, cols].tolist()
     for j in range(k):
-        if rng.random() < p_draft[j]:
+        if rng.random() * q_draft[j] < p_draft[j]:  # u < p / q without dividing by a tiny q
             continue
-        residual = p[j].clone()
-        residual[draft[j]] = 0.0
+        if q is None:
+            residual = p[j].clone()
+            residual[draft[j]] = 0.0
+        else:
+            residual = (p[j] - q[j].to(p.device)).clamp_(min=0.0)
+            if not float(residual.sum()) > 0.0:  # only by rounding (p == q would have accepted): draw from p
+                residual = p[j]
         return list(draft[:j]) + [sample_from(residual, rng.random())], j
     return list(draft) + [sample_from(p[k], rng.random())], k
 
@@ -163,31 +176,36 @@ class TokenArray:
         return self.buf[:m]
 
 
-class SpeculativeDecoder:
-    """The engine's verify path: drafts for decoding requests, one packed verify forward, acceptance,
-    emission (stops and max_tokens honoured inside a run) and the rollback of the KDA slots."""
+class Proposer(Protocol):
+    """Where drafts come from. capture_layers: target layers whose hidden states the proposer reads
+    (`K3Model.forward(hidden_state_layers=...)`; [] = none), handed to `observe` for every computed
+    position the engine knows to be final (prefill chunks, decode steps, accepted verify rows)."""
 
-    def __init__(self, engine: VerifyHost, num_draft: int, min_match: int, max_match: int) -> None:
-        self.engine = engine
+    capture_layers: list[int]
+
+    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """(request, most drafts allowed) -> (draft ids, their distributions [n, V] or None = point mass)."""
+        ...
+
+    def observe(self, req: Request, start: int, aux: torch.Tensor) -> None:
+        """aux [n, len(capture_layers) * H]: the captured states of req's positions start..start+n-1."""
+        ...
+
+
+class NgramSource:
+    """Prompt-lookup drafts (`NgramProposer`) as a `Proposer`: deterministic, no captured states."""
+
+    capture_layers: list[int] = []
+
+    def __init__(self, num_draft: int, min_match: int, max_match: int) -> None:
         self.proposer = NgramProposer(num_draft, min_match, max_match)
         self._arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> TokenArray
 
-    def split(self, decode: list[Request]) -> tuple[list[Request], list[tuple[Request, list[int]]]]:
-        """Decode requests -> (those for a plain decode step, (request, drafts) for verification).
+    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+        return [(self.proposer.propose(self._tokens(r), room), None) for r, room in cands]
 
-        A draft never reaches past what the request may still emit (its bonus token included) nor past
-        the context limit, and takes pages only from free blocks (no eviction, no preemption)."""
-        eng = self.engine
-        plain, drafted = [], []
-        for r in decode:
-            room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
-            plain_only = r.slot is None or r.pending != 1 or needs_adjust(r)  # adjusted logits: no drafts
-            d = [] if plain_only else self.proposer.propose(self._tokens(r), room)
-            if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
-                drafted.append((r, d))
-            else:
-                plain.append(r)
-        return plain, drafted
+    def observe(self, req: Request, start: int, aux: torch.Tensor) -> None:
+        pass
 
     def _tokens(self, r: Request) -> np.ndarray:
         arr = self._arrays.get(r)
@@ -195,14 +213,77 @@ class SpeculativeDecoder:
             arr = self._arrays[r] = TokenArray()
         return arr.sync(r.tokens)
 
-    def run(self, drafted: list[tuple[Request, list[int]]]) -> list[Request]:
-        """Verify, accept and emit for every (request, drafts); returns the requests touched."""
+
+Drafted = tuple[Any, list[int], "torch.Tensor | None"]  # (Request, drafts, their distributions or None)
+
+
+class SpeculativeDecoder:
+    """The engine's verify path: drafts for decoding requests (from a `Proposer`), one packed verify
+    forward, acceptance, emission (stops and max_tokens honoured inside a run) and the rollback of the
+    KDA slots."""
+
+    def __init__(self, engine: VerifyHost, source: Proposer) -> None:
+        self.engine, self.source = engine, source
+        self.capture_layers = list(source.capture_layers)
+
+    @property
+    def proposer(self) -> Any:
+        """The n-gram path's `NgramProposer` (replaceable by any object with its `propose(tokens, limit)`,
+        e.g. a test oracle), or the learned draft's `DraftProposer`."""
+        return self.source.proposer if isinstance(self.source, NgramSource) else self.source
+
+    @proposer.setter
+    def proposer(self, value: Any) -> None:
+        if isinstance(self.source, NgramSource):
+            self.source.proposer = value
+        else:
+            self.source = value
+
+    def split(self, decode: list[Request]) -> tuple[list[Request], list[Drafted]]:
+        """Decode requests -> (those for a plain decode step, (request, drafts, q) for verification).
+
+        A draft never reaches past what the request may still emit (its bonus token included) nor past
+        the context limit, and takes pages only from free blocks (no eviction, no preemption)."""
+        eng = self.engine
+        plain, cands = [], []
+        for r in decode:
+            room = min(r.max_sampled - len(r.out_ids) - 1, eng.max_model_len - len(r.tokens))
+            if r.slot is None or r.pending != 1 or needs_adjust(r) or room < 1:  # adjusted logits: no drafts
+                plain.append(r)
+            else:
+                cands.append((r, room))
+        drafted = []
+        for (r, _), (d, q) in zip(cands, self.source.propose(cands) if cands else []):
+            if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
+                drafted.append((r, d, q))
+            else:
+                plain.append(r)
+        return plain, drafted
+
+    def observe_forward(self, batch: list[tuple[Request, int]], hidden: dict[int, torch.Tensor]) -> None:
+        """Hand the proposer the captured states of a plain forward: batch (request, new tokens) before
+        num_computed advanced; hidden {layer: [1, total, H] packed or [N, 1, H]}."""
+        aux = self.features(hidden)
+        aux = aux.reshape(-1, aux.shape[-1])
+        off = 0
+        for r, n in batch:
+            self.source.observe(r, r.num_computed, aux[off: off + n])
+            off += n
+
+    def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The captured layers concatenated: [..., len(capture_layers) * H]."""
+        return torch.cat([hidden[i] for i in self.capture_layers], -1)
+
+    def run(self, drafted: list[Drafted]) -> list[Request]:
+        """Verify, accept and emit for every (request, drafts, q); returns the requests touched."""
         eng, m = self.engine, self.engine.metrics
         start = time.perf_counter()
-        reqs = [r for r, _ in drafted]
+        reqs = [r for r, _, _ in drafted]
         try:
             snapshot = eng.pool.read_slots([r.slot for r in reqs]) if eng.layout.kda_layers else None
-            logits = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d in drafted])
+            record: dict[int, tuple] = {}  # KDA layer -> its inputs in this forward, for the rollback's replay
+            logits, aux = self._forward([(r, [r.tokens[r.num_computed]] + d) for r, d, _ in drafted],
+                                        capture=bool(self.capture_layers), record=record)
         except Exception as e:  # a failed forward fails its requests, never the engine
             for r in reqs:
                 eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
@@ -211,13 +292,15 @@ class SpeculativeDecoder:
         redo: list[tuple[int, int]] = []  # (row, tokens to keep computed)
         finished: list[tuple[Request, str]] = []
         off = 0
-        for i, (r, d) in enumerate(drafted):
+        for i, (r, d, q) in enumerate(drafted):
             rows = logits[off: off + len(d) + 1]
-            off += len(d) + 1
-            toks, accepted = accept_draft(rows, d, r.params, r.rng)
+            toks, accepted = accept_draft(rows, d, r.params, r.rng, q)
             m.spec_draft_tokens += len(d)
             m.spec_accepted_tokens += accepted
             kept, reason = self._emit(r, rows, toks)
+            if aux is not None and reason is None:  # states of the kept positions (computed on accepted tokens)
+                self.source.observe(r, r.num_computed, aux[off: off + kept])
+            off += len(d) + 1
             if reason is not None:
                 finished.append((r, reason))
             # the state must be the one after [last, kept - 1 emitted tokens]; a request that finishes
@@ -229,7 +312,7 @@ class SpeculativeDecoder:
         m.spec_verify_forwards += 1
         m.spec_verify_rows += len(drafted)
         if redo:
-            self._rollback(drafted, snapshot, redo)
+            self._rollback(drafted, snapshot, redo, record)
         for r, reason in finished:
             if r.status != "finished":
                 eng.finish_request(r, reason)
@@ -251,40 +334,74 @@ class SpeculativeDecoder:
         self.engine.metrics.prompt_tokens_computed += max(0, min(r.num_computed + n, r.prompt_len) - r.num_computed)
         r.num_computed += n
 
-    def _rollback(self, drafted: list[tuple[Request, list[int]]],
+    def _rollback(self, drafted: list[Drafted],
                   snapshot: tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None,
-                  redo: list[tuple[int, int]]) -> None:
-        """Restore the pre-verify KDA slots of the `redo` rows (snapshot: `BlockPool.read_slots` of all
-        verify rows, {layer: [N, H, K, V] fp32}, {layer: [N, W-1, C]}) and recompute their kept tokens."""
+                  redo: list[tuple[int, int]], record: dict[int, tuple]) -> None:
+        """Set the KDA slots of the `redo` rows (row, kept tokens) to the state after their kept tokens:
+        from the pre-verify snapshot (`BlockPool.read_slots` of all verify rows, {layer: [N, H, K, V]
+        fp32}, {layer: [N, W-1, C]}) and the inputs each KDA layer recorded in the verify forward, only
+        the recurrence and the conv tail are replayed (`KDAttention.replay`): the kept positions' inputs
+        are those of the verify forward, since nothing before a position depends on what follows it."""
         eng = self.engine
         reqs = [drafted[i][0] for i, _ in redo]
+        ns = [n for _, n in redo]
         if snapshot is not None:
+            starts = [0]
+            for _, d, _ in drafted:
+                starts.append(starts[-1] + len(d) + 1)
+            rows = [starts[i] for i, _ in redo]
             idx = torch.tensor([i for i, _ in redo], device=eng.pool.device)
             states, tails = snapshot
-            eng.pool.write_slots([r.slot for r in reqs], {k: v[idx] for k, v in states.items()},
-                                 {k: v[idx] for k, v in tails.items()})
-        try:
-            self._forward([(r, r.tokens[r.num_computed: r.num_computed + n]) for r, (_, n) in zip(reqs, redo)],
-                          logits=False)
-        except Exception as e:  # as above: only these requests fail
-            for r in reqs:
-                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
-            return
+            new_states, new_tails = {}, {}
+            for layer, inputs in record.items():
+                padded = tuple(_rows(x[0], rows, ns) for x in inputs)
+                attn = eng.model.model.layers[layer].self_attn
+                new_states[layer], new_tails[layer] = attn.replay(states[layer][idx], tails[layer][idx], padded, ns)
+            eng.pool.write_slots([r.slot for r in reqs], new_states, new_tails)
         eng.metrics.spec_rerun_forwards += 1
-        for r, (_, n) in zip(reqs, redo):
+        for r, n in zip(reqs, ns):
             self._advance(r, n)
 
-    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True) -> torch.Tensor | None:
+    def _forward(self, rows: list[tuple[Request, list[int]]], *, logits: bool = True, capture: bool = False,
+                 record: dict[int, tuple] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run each request's `ids` from position num_computed (packed rows, weight-absorbed MLA as in
-        decode) and commit the KDA state; returns logits [sum of lengths, vocab] at every position.
-        num_computed is left alone (the caller advances it by what it keeps)."""
+        decode) and commit the KDA state; returns (logits [sum of lengths, vocab] at every position or
+        None, the captured states [sum of lengths, 3H] when `capture` else None). num_computed is left
+        alone (the caller advances it by what it keeps). record: filled with each KDA layer's inputs
+        (`KDAttention.forward` with a cache's `kda_inputs`)."""
         eng = self.engine
         reqs = [r for r, _ in rows]
         ns = [len(ids) for _, ids in rows]
         cache = PagedBatchCache(eng.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=True, paged_mla=eng.paged_mla)
+        cache.kda_inputs = record
         ids = torch.tensor([t for _, seq in rows for t in seq], device=eng.device)[None]
         cu = torch.tensor([0] + ns).cumsum(0)  # host offsets: the layers never read them back
-        h, _ = eng.model.model(ids, cu_seqlens=cu, cache=cache)
+        h, hidden = eng.model.model(ids, cu_seqlens=cu, cache=cache,
+                                    hidden_state_layers=self.capture_layers if capture else None)
         cache.commit()
-        return eng.model.lm_head(h[0]) if logits else None
+        aux = self.features(hidden)[0] if capture else None
+        return (eng.model.lm_head(h[0]) if logits else None), aux
+
+
+def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
+    """Packed [total, ...] -> [len(starts), max(ns), ...]: row i = x[starts[i]: starts[i] + ns[i]], zero padded."""
+    out = x.new_zeros((len(starts), max(ns), *x.shape[1:]))
+    for i, (s, n) in enumerate(zip(starts, ns)):
+        out[i, :n] = x[s: s + n]
+    return out
+
+
+def make_speculator(engine: VerifyHost, ngram: int, min_match: int, max_match: int, draft: Any = None,
+                    draft_tokens: int = 4) -> SpeculativeDecoder | None:
+    """The engine's verify path: learned-draft speculation when `draft` (an `EagleDraft`) is given
+    (`draft_tokens` drafts per step), n-gram speculation when ngram > 0, else None."""
+    if draft is not None and ngram:
+        raise ValueError("use either a learned draft or n-gram speculation (speculative_ngram), not both")
+    if draft is not None:
+        from k3.serve.draft_spec import DraftProposer  # k3.model.draft is loaded only when a draft is used
+
+        return SpeculativeDecoder(engine, DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit))
+    if ngram:
+        return SpeculativeDecoder(engine, NgramSource(ngram, min_match, max_match))
+    return None

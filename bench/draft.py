@@ -1,0 +1,174 @@
+"""Learned-draft (EAGLE-3) speculative decoding benchmark: decode tokens/s without speculation, with the
+draft and with n-gram speculation, and the mean acceptance length tau, at several batch sizes.
+
+The target is --checkpoint (or a preset with random weights); the draft is --draft, or trained here for
+--train-steps on the target's own greedy continuations of random prompts (`k3.draft.ttt`; a random
+target is hard to predict, so use a trained checkpoint for meaningful tau). Each row runs B requests
+with --prompt-len prompts and --new-tokens greedy tokens to completion in one engine; outputs with the
+draft must equal those without (checked and reported: exact in fp32; in bf16 a near-tie argmax may
+flip between the verify forward's kernels and the decode step's, as with n-gram speculation). Plain decoding uses the engine's default path (CUDA graphs
+on GPU); speculative rows decode eagerly (the verify forward and the draft run outside graphs).
+
+    python bench/draft.py --markdown                       # GPU: k3-small, batches 1, 8, 32
+    python bench/draft.py --checkpoint CK --draft CK_DRAFT # a trained target and its `k3 train-draft` draft
+    python bench/draft.py --tiny                           # CPU smoke run: k3-tiny, tiny sizes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from k3.config import get_preset  # noqa: E402
+from k3.draft.ttt import target_pass, ttt_forward  # noqa: E402
+from k3.model.causal_lm import K3ForCausalLM  # noqa: E402
+from k3.model.draft import DraftConfig, EagleDraft, load_draft  # noqa: E402
+from k3.serve.engine import Engine, EngineConfig  # noqa: E402
+from k3.serve.sampling import SamplingParams  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke sizes with k3-tiny")
+    p.add_argument("--preset", default=None, help="model preset (default k3-small, k3-tiny with --tiny)")
+    p.add_argument("--checkpoint", default=None, help="target weights instead of random ones")
+    p.add_argument("--draft", default=None, help="a `k3 train-draft` draft dir (default: train one here)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32; tiny: 1,2)")
+    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--train-steps", type=int, default=None, help="draft training steps when --draft is not given")
+    p.add_argument("--modes", default="plain,draft,ngram", help="comma list of: plain, draft, ngram")
+    p.add_argument("--prompts", default=None, help="a .jsonl of {\"ids\", \"prompt_len\"} (e.g. a train-draft run's "
+                   "held-out val.jsonl): its prompts instead of random ones (cycled to fill a batch)")
+    p.add_argument("--requests", type=int, default=None, help="requests per row (default: the batch size); "
+                   "more than the batch size queue, at most `batch` decoding together")
+    p.add_argument("--markdown", action="store_true")
+    a = p.parse_args(argv)
+    a.preset = a.preset or ("k3-tiny" if a.tiny else "k3-small")
+    a.device = a.device or ("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
+    a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    a.batches = [int(x) for x in (a.batches or ("1,2" if a.tiny else "1,8,32")).split(",")]
+    a.prompt_len = a.prompt_len or (8 if a.tiny else 64)
+    a.new_tokens = a.new_tokens or (8 if a.tiny else 128)
+    a.train_steps = a.train_steps if a.train_steps is not None else (3 if a.tiny else 300)
+    return a
+
+
+def load_target(a: argparse.Namespace) -> K3ForCausalLM:
+    if a.checkpoint:
+        return K3ForCausalLM.from_pretrained(a.checkpoint, dtype=a.dtype, device=a.device).eval()
+    torch.manual_seed(0)
+    return K3ForCausalLM(get_preset(a.preset)).init_weights(seed=0).to_dtype(a.dtype).to(a.device).eval()
+
+
+def prompts(a: argparse.Namespace, vocab: int, n: int, seed: int) -> list[list[int]]:
+    if a.prompts and seed == 2:  # the measured rows (training data stays random / the draft's own)
+        with open(a.prompts) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        return [recs[i % len(recs)]["ids"][: recs[i % len(recs)]["prompt_len"]] for i in range(n)]
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab - 256) for _ in range(a.prompt_len)] for _ in range(n)]
+
+
+def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int | None = None) -> Engine:
+    """batch: the most requests decoding together (default: the largest batch size)."""
+    cfg = EngineConfig(memory_budget_bytes=(256 << 20) if a.tiny else (8 << 30), page_size=16 if a.tiny else 128,
+                       enable_prefix_cache=False, max_running=batch or max(a.batches), speculative_ngram=ngram,
+                       speculative_draft_tokens=a.spec_tokens)
+    return Engine(target, None, cfg, eos_id=-1, draft=draft)
+
+
+def train_here(a: argparse.Namespace, target) -> EagleDraft:
+    """A draft trained on the target's greedy continuations of random prompts (float32 master weights)."""
+    vocab = target.config.text_config.vocab_size
+    ps = prompts(a, vocab, 16 if a.tiny else 256, seed=1)
+    t0 = time.perf_counter()
+    outs = engine(a, target).generate(ps, SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True))
+    rows = torch.tensor([p + o.token_ids for p, o in zip(ps, outs)], device=a.device)
+    torch.manual_seed(0)
+    draft = EagleDraft(DraftConfig.for_target(target.config)).to(a.device).attach(target)
+    opt = torch.optim.AdamW(draft.parameters(), lr=2e-3)
+    bs = 4 if a.tiny else 16
+    lengths = torch.full((bs,), rows.shape[1], device=a.device)
+    prompt_lens = torch.full((bs,), a.prompt_len, device=a.device)
+    for step in range(a.train_steps):
+        ids = rows[torch.randint(len(rows), (bs,), generator=torch.Generator().manual_seed(step))]
+        with torch.autocast(a.device, torch.bfloat16, enabled=a.device == "cuda"):
+            aux, logp = target_pass(target, ids, draft.config.target_layers)
+            out = ttt_forward(draft, aux, logp, ids, lengths, prompt_lens, a.spec_tokens)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+    print(f"# draft trained here: {a.train_steps} steps in {time.perf_counter() - t0:.0f}s "
+          f"(data generation included), last tau estimate {out.tau:.2f} at K={a.spec_tokens}", flush=True)
+    return draft.to(target.lm_head.weight.dtype).eval()
+
+
+def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple[dict, list[list[int]]]:
+    ps = prompts(a, vocab, max(batch, a.requests or 0), seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+    eng.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up (graphs, kernels)
+    before = eng.stats()
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = eng.generate(ps, sp)
+    if a.device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    s = eng.stats()
+    rows = s["spec_verify_rows"] - before["spec_verify_rows"]
+    acc = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    toks = sum(len(o.token_ids) for o in outs)
+    return {"batch": batch, "requests": len(ps), "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
+            "tau": round((acc + rows) / rows, 3) if rows else None}, [o.token_ids for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    target = load_target(a)
+    vocab = target.config.text_config.vocab_size
+    modes = a.modes.split(",")
+    draft = None
+    if "draft" in modes:
+        draft = load_draft(a.draft, target) if a.draft else train_here(a, target)
+    results = []
+    for batch in a.batches:
+        ref = None
+        for mode in modes:
+            eng = engine(a, target, draft=draft if mode == "draft" else None, ngram=a.spec_tokens if mode == "ngram" else 0,
+                         batch=batch)
+            row, outs = run_row(a, eng, batch, vocab)
+            ref = outs if ref is None else ref
+            same = sum(o == r for o, r in zip(outs, ref))
+            row |= {"mode": mode, "preset": a.checkpoint or a.preset, "device": a.device, "k": a.spec_tokens,
+                    "same_output": same == len(ref), "same_requests": f"{same}/{len(ref)}"}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if same != len(ref):  # exact on CPU fp32; in bf16 a near-tie argmax may flip between the verify
+                # forward's kernels and the decode step's (n-gram speculation has the same property)
+                first = [next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), None) for o, r in zip(outs, ref)]
+                print(f"# MISMATCH: {mode} output differs from {modes[0]} in {len(ref) - same} of {len(ref)} requests "
+                      f"at batch {batch} (first differing token: {[f for f in first if f is not None][:8]})", flush=True)
+    if a.markdown:
+        print("\n| batch | mode | tokens/s | speed-up | tau |\n|---|---|---|---|---|")
+        base = {r["batch"]: r["tok_s"] for r in results if r["mode"] == modes[0]}
+        for r in results:
+            print(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base[r['batch']]:.2f}x | "
+                  f"{r['tau'] if r['tau'] is not None else '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
