@@ -9,6 +9,7 @@ from typing import Any
 
 from k3.chat.render import THINKING_EFFORTS
 from k3.config import ConfigError
+from k3.sft.effort import EFFORT_LEVELS
 from k3.train.config import Stage, TrainConfig
 
 ON_BAD = ("skip", "error")
@@ -33,6 +34,10 @@ class SFTConfig(TrainConfig):
     world_tasks: int = 40  # train tasks per world
     max_difficulty: int = 3  # world tasks of difficulty 1..max_difficulty (train mix and teacher-forced eval)
     instruct_items: int = 400
+    # Effort-conditioned reasoning (k3.sft.effort): the k-th generated conversation of each kind reasons
+    # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
+    # `thinking_effort`). The evaluation measures the mean reasoning length at each of them.
+    efforts: list[str] = field(default_factory=lambda: ["low", "high", "max"])
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
@@ -41,6 +46,8 @@ class SFTConfig(TrainConfig):
     eval_episodes: int = 1  # per world: its easiest held-out task(s)
     eval_max_turns: int = 8
     eval_max_new_tokens: int = 160  # an oracle turn is ~86 tokens (median), ~141 (p90)
+    eval_effort_prompts: int = 8  # held-out requests whose reasoning length is measured at each effort
+    eval_effort_max_new_tokens: int = 256
     eval_base: bool = True
     behavior_eval_every: int = 0
 
@@ -53,12 +60,15 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config on_bad={self.on_bad!r}: must be one of {ON_BAD}")
         if self.thinking_effort not in THINKING_EFFORTS:
             raise ConfigError(f"sft config thinking_effort={self.thinking_effort!r}: must be one of {THINKING_EFFORTS}")
+        if not isinstance(self.efforts, list) or any(e not in EFFORT_LEVELS for e in self.efforts):
+            raise ConfigError(f"sft config efforts={self.efforts!r}: must be a list of {EFFORT_LEVELS}")
         if not isinstance(self.worlds, list) or not all(isinstance(w, str) for w in self.worlds):
             raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
         if self.max_difficulty not in (1, 2, 3):
             raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
         for name in ("world_tasks", "instruct_items", "val_conversations", "eval_tool_turns", "eval_instruct_items",
-                     "eval_episodes", "eval_max_turns", "eval_max_new_tokens", "behavior_eval_every"):
+                     "eval_episodes", "eval_max_turns", "eval_max_new_tokens", "eval_effort_prompts",
+                     "eval_effort_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"sft config {name}={v!r}: must be a non-negative int")
