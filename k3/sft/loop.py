@@ -83,7 +83,8 @@ class SFTTrainer(Trainer):
             val, train = convs[:n_val], convs[n_val:]
         else:
             train = sources.default_train_conversations(cfg.worlds, cfg.world_tasks, cfg.max_difficulty,
-                                                        cfg.instruct_items, cfg.efforts)
+                                                        cfg.instruct_items, cfg.efforts, cfg.lean_fraction,
+                                                        cfg.lean_distractors)
             val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations, cfg.efforts)
         packed = self._pack(train)
         if packed.num_rows == 0:

@@ -9,6 +9,7 @@ world=...) with disjoint "train" / "heldout" splits, oracle_trajectories(world, 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -54,12 +55,33 @@ def with_effort(conv: dict, thinking_effort: str) -> dict:
                    "thinking_effort": thinking_effort}
 
 
+def lean_tools(conv: dict, distractors: int) -> dict:
+    """`conv` declaring only the tools its assistant calls plus `distractors` others of its list (chosen
+    from the conversation's seed; the declaration order is kept). A world declares 8-13 tools, ~1.3-2.2K
+    tokens of k3-tiny's tokenizer: most of a trajectory's context, none of its targets."""
+    tools = conv.get("tools") or []
+    used = {c.get("function", c).get("name") for m in conv["messages"] if m.get("role") == "assistant"
+            for c in (m.get("tool_calls") or [])}
+    rest = [t for t in tools if t.get("function", t).get("name") not in used]
+    seed = (conv.get("meta") or {}).get("seed", 0)
+    keep = {id(t) for t in random.Random(f"lean {seed}").sample(rest, min(distractors, len(rest)))}
+    return conv | {"tools": [t for t in tools if t.get("function", t).get("name") in used or id(t) in keep]}
+
+
+def _every(k: int, fraction: float) -> bool:
+    """True for `fraction` of k = 0, 1, 2, ... spread evenly (0.5: the odd k)."""
+    return int((k + 1) * fraction) > int(k * fraction)
+
+
 def default_train_conversations(worlds: Sequence[str], world_tasks: int, max_difficulty: int,
-                                instruct_items: int, efforts: Sequence[str] = effort.EFFORT_LEVELS) -> list[dict]:
+                                instruct_items: int, efforts: Sequence[str] = effort.EFFORT_LEVELS,
+                                lean_fraction: float = 0.0, lean_distractors: int = 2) -> list[dict]:
     """The training mix: world trajectories first, then the instruction items (the packer reorders). The
     k-th conversation of each kind reasons at efforts[k % len(efforts)] (an empty `efforts`: every
-    conversation keeps its one-line reasoning and renders at the run's thinking_effort)."""
+    conversation keeps its one-line reasoning and renders at the run's thinking_effort); `lean_fraction` of
+    the trajectories (evenly spread) declare only their tools plus `lean_distractors` (`lean_tools`)."""
     convs = world_conversations("train", world_tasks, worlds, max_difficulty) if world_tasks and worlds else []
+    convs = [lean_tools(c, lean_distractors) if _every(k, lean_fraction) else c for k, c in enumerate(convs)]
     items = instruct.instruct_items("train", instruct_items)
     if not efforts:
         return convs + [instruct.item_conversation(it) for it in items]
