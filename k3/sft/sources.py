@@ -68,7 +68,7 @@ def lean_tools(conv: dict, distractors: int) -> dict:
     return conv | {"tools": [t for t in tools if t.get("function", t).get("name") in used or id(t) in keep]}
 
 
-def _every(k: int, fraction: float) -> bool:
+def evenly(k: int, fraction: float) -> bool:
     """True for `fraction` of k = 0, 1, 2, ... spread evenly (0.5: the odd k)."""
     return int((k + 1) * fraction) > int(k * fraction)
 
@@ -81,7 +81,7 @@ def default_train_conversations(worlds: Sequence[str], world_tasks: int, max_dif
     conversation keeps its one-line reasoning and renders at the run's thinking_effort); `lean_fraction` of
     the trajectories (evenly spread) declare only their tools plus `lean_distractors` (`lean_tools`)."""
     convs = world_conversations("train", world_tasks, worlds, max_difficulty) if world_tasks and worlds else []
-    convs = [lean_tools(c, lean_distractors) if _every(k, lean_fraction) else c for k, c in enumerate(convs)]
+    convs = [lean_tools(c, lean_distractors) if evenly(k, lean_fraction) else c for k, c in enumerate(convs)]
     items = instruct.instruct_items("train", instruct_items)
     if not efforts:
         return convs + [instruct.item_conversation(it) for it in items]

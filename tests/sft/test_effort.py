@@ -105,3 +105,27 @@ def test_thinking_length_metric(worlds):
     assert "think tokens low 1 < high 2 < max 3" in sft_eval.summary({"thinking": {
         "n": 5, "mean_think_tokens": {"low": 1.0, "high": 2.0, "max": 3.0}, "ordered": True}})
     json.dumps(rec)
+
+
+def _tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_lean_declarations_keep_the_used_tools_and_some_distractors():
+    tools = [_tool(n) for n in ("a", "lookup", "b", "c", "d")]
+    conv = {"messages": MESSAGES, "tools": tools, "meta": {"seed": 7}}
+    lean = sources.lean_tools(conv, 2)
+    names = [t["function"]["name"] for t in lean["tools"]]
+    assert "lookup" in names and len(names) == 3 and names == [n for n in "a lookup b c d".split() if n in names]
+    assert lean["messages"] is MESSAGES and conv["tools"] == tools  # the conversation itself is untouched
+    assert lean == sources.lean_tools(conv, 2)  # deterministic from the seed
+    assert [t["function"]["name"] for t in sources.lean_tools(conv, 0)["tools"]] == ["lookup"]
+    assert len(sources.lean_tools(conv, 9)["tools"]) == 5
+
+
+def test_lean_fraction_spreads_evenly(worlds):
+    stripped = sources.default_train_conversations(["keys"], 4, 3, 0, lean_fraction=1.0, lean_distractors=0)
+    assert all({t["function"]["name"] for t in c["tools"]} == {"lookup", "submit"} for c in stripped)
+    assert [sources.evenly(k, 0.5) for k in range(6)] == [False, True] * 3
+    assert sum(sources.evenly(k, 0.25) for k in range(8)) == 2 and not any(sources.evenly(k, 0.0) for k in range(8))
+    assert all(sources.evenly(k, 1.0) for k in range(8))
