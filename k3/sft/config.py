@@ -9,6 +9,7 @@ from typing import Any
 
 from k3.chat.render import THINKING_EFFORTS
 from k3.config import ConfigError
+from k3.sft.effort import EFFORT_LEVELS
 from k3.train.config import Stage, TrainConfig
 
 ON_BAD = ("skip", "error")
@@ -30,17 +31,28 @@ class SFTConfig(TrainConfig):
     # Default data (no --data): oracle trajectories of the practice worlds' train tasks and generated
     # instruction-following items; held-out tasks / items (never trained on) score the evaluation.
     worlds: list[str] = field(default_factory=lambda: ["mail", "chat", "notes", "course", "assistant"])
-    world_tasks: int = 40  # train tasks per world
+    world_tasks: int = 60  # train tasks per world (each seen about once by default: variety over repetition)
     max_difficulty: int = 3  # world tasks of difficulty 1..max_difficulty (train mix and teacher-forced eval)
     instruct_items: int = 400
+    # Of the training trajectories, this fraction (evenly spread) declares only the tools it calls plus
+    # `lean_distractors` others: the declarations are most of a trajectory's tokens and none of its
+    # targets. Held-out trajectories, the validation loss and the episodes keep the world's full list.
+    lean_fraction: float = 0.5
+    lean_distractors: int = 2
+    # Effort-conditioned reasoning (k3.sft.effort): the k-th generated conversation of each kind reasons
+    # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
+    # `thinking_effort`). The evaluation measures the mean reasoning length at each of them.
+    efforts: list[str] = field(default_factory=lambda: ["low", "high", "max"])
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
     eval_tool_turns: int = 30
     eval_instruct_items: int = 24
-    eval_episodes: int = 1  # per world: its easiest held-out task(s)
+    eval_episodes: int = 2  # per world: its easiest held-out task(s)
     eval_max_turns: int = 8
     eval_max_new_tokens: int = 160  # an oracle turn is ~86 tokens (median), ~141 (p90)
+    eval_effort_prompts: int = 8  # held-out requests whose reasoning length is measured at each effort
+    eval_effort_max_new_tokens: int = 256
     eval_base: bool = True
     behavior_eval_every: int = 0
 
@@ -53,12 +65,17 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config on_bad={self.on_bad!r}: must be one of {ON_BAD}")
         if self.thinking_effort not in THINKING_EFFORTS:
             raise ConfigError(f"sft config thinking_effort={self.thinking_effort!r}: must be one of {THINKING_EFFORTS}")
+        if not isinstance(self.efforts, list) or any(e not in EFFORT_LEVELS for e in self.efforts):
+            raise ConfigError(f"sft config efforts={self.efforts!r}: must be a list of {EFFORT_LEVELS}")
+        if not isinstance(self.lean_fraction, (int, float)) or not 0 <= self.lean_fraction <= 1:
+            raise ConfigError(f"sft config lean_fraction={self.lean_fraction!r}: must be in [0, 1]")
         if not isinstance(self.worlds, list) or not all(isinstance(w, str) for w in self.worlds):
             raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
         if self.max_difficulty not in (1, 2, 3):
             raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
-        for name in ("world_tasks", "instruct_items", "val_conversations", "eval_tool_turns", "eval_instruct_items",
-                     "eval_episodes", "eval_max_turns", "eval_max_new_tokens", "behavior_eval_every"):
+        for name in ("world_tasks", "instruct_items", "lean_distractors", "val_conversations", "eval_tool_turns",
+                     "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
+                     "eval_effort_prompts", "eval_effort_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ConfigError(f"sft config {name}={v!r}: must be a non-negative int")
@@ -75,9 +92,10 @@ class SFTConfig(TrainConfig):
 
 
 # The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 4096 tokens (a whole
-# world trajectory with its tool declaration fits), 2 rows a step, a short warmup.
+# world trajectory with its tool declaration fits), one row a step (more updates for the same tokens),
+# a short warmup.
 SFT_DEFAULTS: dict[str, Any] = {
-    "max_steps": 40, "tokens_per_step": 8192, "stages": [Stage(4096, 1.0)],
-    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 4, "decay_fraction": 0.3,
-    "eval_every": 20, "save_every": 20,
+    "max_steps": 120, "tokens_per_step": 4096, "stages": [Stage(4096, 1.0)],
+    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 6, "decay_fraction": 0.3,
+    "eval_every": 60, "save_every": 40,
 }

@@ -8,6 +8,8 @@
 * episodes: held-out world tasks played end to end through the loop of `k3 eval worlds`
   (k3.envs.evaluate, k3.envs.base.run_episode); success = the hidden verifier's score is 1, reported
   per difficulty (1 = easiest).
+* thinking length: mean reasoning tokens per requested thinking effort on held-out requests (tool-call
+  points and instruction items); `ordered` when they rise low < high < max.
 
 Generation is greedy (temperature 0) and stops at <|end_of_msg|>; nothing the model writes can raise.
 """
@@ -85,6 +87,43 @@ def eval_instructions(agent: Any, items: Sequence[dict]) -> dict[str, Any]:
             "per_kind": {k: sum(v) / len(v) for k, v in sorted(kinds.items())}}
 
 
+# ----------------------------------------------------------------------------- thinking length
+
+
+def effort_prompts(trajectories: Sequence[dict], items: Sequence[dict], n: int) -> list[tuple[list[dict], Any]]:
+    """`n` held-out requests for the thinking-length metric: alternately the first tool-call point of a
+    trajectory (prefix up to its first assistant turn, with its tools) and an instruction item."""
+    tool = [(msgs, tools) for msgs, tools, _ in tool_call_points(trajectories, len(trajectories))]
+    plain = [([{"role": "user", "content": it["prompt"]}], None) for it in items]
+    out: list[tuple[list[dict], Any]] = []
+    for k in range(max(len(tool), len(plain))):
+        out += ([tool[k]] if k < len(tool) else []) + ([plain[k]] if k < len(plain) else [])
+    return out[:n]
+
+
+def eval_thinking_length(agent: Any, requests: Sequence[tuple[list[dict], Any]], efforts: Sequence[str],
+                         count_tokens: Any, max_new_tokens: int) -> dict[str, Any]:
+    """Mean reasoning length (tokens, `count_tokens(text) -> int`) of the agent's replies to `requests` at
+    each thinking effort. The agent is an EngineAgent-like object whose `config` (an AgentConfig) is swapped
+    per effort and restored. `ordered`: the means rise strictly in the order of `efforts`."""
+    import dataclasses
+
+    if not requests or not efforts:
+        return {"n": 0}
+    base = agent.config
+    means: dict[str, float] = {}
+    try:
+        for e in efforts:
+            agent.config = dataclasses.replace(base, thinking_effort=e, max_new_tokens=max_new_tokens)
+            replies = _replies(agent, list(requests))
+            means[e] = sum(count_tokens(r.get("reasoning_content") or "") for r in replies) / len(replies)
+    finally:
+        agent.config = base
+    vals = [means[e] for e in efforts]
+    return {"n": len(requests), "mean_think_tokens": means,
+            "ordered": all(a < b for a, b in zip(vals, vals[1:]))}
+
+
 # ----------------------------------------------------------------------------- episodes
 
 
@@ -111,18 +150,22 @@ def eval_episodes(agent: Any, worlds: Sequence[str], tasks_per_world: int, max_t
             "errors": sum(e["agent_error"] is not None or e["env_error"] is not None for e in eps)}
 
 
-def evaluate_behaviour(agent: Any, heldout: Any, max_turns: int) -> dict[str, Any]:
-    """All three evaluations on `heldout` (k3.sft.sources.HeldOut) -> one JSON-able record."""
+def evaluate_behaviour(agent: Any, heldout: Any, max_turns: int, count_tokens: Any = None) -> dict[str, Any]:
+    """All evaluations on `heldout` (k3.sft.sources.HeldOut) -> one JSON-able record. The thinking-length
+    metric runs when heldout.effort_prompts and `count_tokens` (text -> tokens) are given."""
     t0 = time.perf_counter()
     rec = {"tool_calls": eval_tool_calls(agent, heldout.trajectories, heldout.tool_turns),
            "instruct": eval_instructions(agent, heldout.instruct_items),
            "episodes": eval_episodes(agent, heldout.worlds, heldout.tasks_per_world, max_turns, heldout.registry)}
+    if heldout.effort_prompts and count_tokens is not None:
+        rec["thinking"] = eval_thinking_length(agent, heldout.effort_prompts, heldout.efforts, count_tokens,
+                                               heldout.effort_max_new_tokens)
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
 
 def summary(rec: dict[str, Any]) -> str:
-    """One line: tool-call validity, right tool, instruction pass rate, episode success."""
+    """One line: tool-call validity, right tool, instruction pass rate, episode success, think tokens."""
     parts = []
     tc, ins, ep = rec.get("tool_calls", {}), rec.get("instruct", {}), rec.get("episodes", {})
     if tc.get("n"):
@@ -132,4 +175,8 @@ def summary(rec: dict[str, Any]) -> str:
     if ep.get("n"):
         levels = " ".join(f"d{k} {v:.0%}" for k, v in ep["per_difficulty"].items())
         parts.append(f"episodes success {ep['success']:.0%} ({ep['n']}; {levels})")
+    th = rec.get("thinking", {})
+    if th.get("n"):
+        parts.append("think tokens " + " < ".join(f"{e} {v:.0f}" for e, v in th["mean_think_tokens"].items())
+                     + ("" if th["ordered"] else " (not ordered)"))
     return "; ".join(parts) + f" [{rec.get('seconds', 0):.0f} s]"

@@ -13,6 +13,7 @@ import random
 import re
 from typing import Any, Callable
 
+from k3.sft import effort
 from k3.sft.data import conversation
 
 HELDOUT_OFFSET = 1_000_000
@@ -37,6 +38,7 @@ def _bullets(rng: random.Random, topic: str) -> dict:
     return {"kind": "bullets", "n": n,
             "prompt": f"Tell me about {topic}. Answer in exactly {n} bullet points.",
             "reasoning": f"The user wants exactly {n} bullet points about {topic}.",
+            "check": f"{n} lines, each starting with \"- \".",
             "response": "\n".join(lines)}
 
 
@@ -46,6 +48,7 @@ def _json_keys(rng: random.Random, topic: str) -> dict:
     return {"kind": "json_keys", "keys": keys,
             "prompt": f"Describe {topic} as JSON with the keys {', '.join(keys)}. Respond with JSON only.",
             "reasoning": f"A JSON object with exactly the keys {', '.join(keys)}.",
+            "check": f"the object has the keys {', '.join(keys)} and no other; no text around it.",
             "response": json.dumps(obj)}
 
 
@@ -53,6 +56,7 @@ def _lowercase(rng: random.Random, topic: str) -> dict:
     return {"kind": "lowercase",
             "prompt": f"Write one sentence about {topic}. Use only lowercase letters.",
             "reasoning": "One sentence, all in lowercase.",
+            "check": "no capital letter anywhere, not even the first.",
             "response": _sentence(rng, topic).lower()}
 
 
@@ -60,6 +64,7 @@ def _uppercase(rng: random.Random, topic: str) -> dict:
     return {"kind": "uppercase",
             "prompt": f"Write one sentence about {topic} in capital letters only.",
             "reasoning": "One sentence, all in capital letters.",
+            "check": "every letter is a capital.",
             "response": _sentence(rng, topic).upper()}
 
 
@@ -68,6 +73,7 @@ def _end_with(rng: random.Random, topic: str) -> dict:
     return {"kind": "end_with", "word": word,
             "prompt": f"Write a short sentence about {topic}. End your answer with the word \"{word}\".",
             "reasoning": f"The last word must be {word}.",
+            "check": f"the answer ends with {word}, no word after it.",
             "response": f"{topic.capitalize()} are {rng.choice(ADJECTIVES)} like the {word}"}
 
 
@@ -76,6 +82,7 @@ def _word_twice(rng: random.Random, topic: str) -> dict:
     return {"kind": "word_twice", "word": word,
             "prompt": f"Write about {topic} and use the word \"{word}\" exactly twice.",
             "reasoning": f"Use {word} two times, no more.",
+            "check": f"count {word}: exactly 2.",
             "response": f"{topic.capitalize()} love the {word}. The {word} is {rng.choice(ADJECTIVES)}."}
 
 
@@ -86,7 +93,7 @@ GENERATORS: dict[str, Callable[[random.Random, str], dict]] = {
 
 
 def instruct_item(seed: int) -> dict:
-    """Item `seed`: {"kind", "prompt", "reasoning", "response", constraint fields...}."""
+    """Item `seed`: {"kind", "prompt", "reasoning", "check", "response", constraint fields...}."""
     rng = random.Random(seed)
     kind = sorted(GENERATORS)[seed % len(GENERATORS)]
     return GENERATORS[kind](rng, rng.choice(TOPICS)) | {"seed": seed}
@@ -100,11 +107,15 @@ def instruct_items(split: str, n: int) -> list[dict]:
     return [instruct_item(base + k) for k in range(n)]
 
 
-def item_conversation(item: dict) -> dict:
-    """The item as an SFT conversation: user request -> assistant reasoning + response."""
+def item_conversation(item: dict, thinking_effort: str | None = None) -> dict:
+    """The item as an SFT conversation: user request -> assistant reasoning + response. With a
+    `thinking_effort` the conversation carries it and the reasoning's length follows it (k3.sft.effort);
+    without one the reasoning is the item's line and the conversation renders at the run's effort."""
+    reasoning = item["reasoning"] if thinking_effort is None else \
+        effort.expand_instruction(item["prompt"], item["reasoning"], item["check"], thinking_effort)
     return conversation([{"role": "user", "content": item["prompt"]},
-                         {"role": "assistant", "reasoning_content": item["reasoning"], "content": item["response"]}],
-                        source=f"<instruct {item['seed']}>", kind=item["kind"])
+                         {"role": "assistant", "reasoning_content": reasoning, "content": item["response"]}],
+                        thinking_effort=thinking_effort, source=f"<instruct {item['seed']}>", kind=item["kind"])
 
 
 def _words(text: str) -> list[str]:

@@ -83,8 +83,9 @@ class SFTTrainer(Trainer):
             val, train = convs[:n_val], convs[n_val:]
         else:
             train = sources.default_train_conversations(cfg.worlds, cfg.world_tasks, cfg.max_difficulty,
-                                                        cfg.instruct_items)
-            val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations)
+                                                        cfg.instruct_items, cfg.efforts, cfg.lean_fraction,
+                                                        cfg.lean_distractors)
+            val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations, cfg.efforts)
         packed = self._pack(train)
         if packed.num_rows == 0:
             raise ConfigError(f"no conversation has an assistant token within its first seq_len={cfg.seq_len} tokens; "
@@ -118,7 +119,9 @@ class SFTTrainer(Trainer):
             cfg = self.cfg
             try:
                 self.heldout = sources.default_heldout(cfg.worlds, cfg.max_difficulty, cfg.eval_tool_turns,
-                                                       cfg.eval_instruct_items, cfg.eval_episodes)
+                                                       cfg.eval_instruct_items, cfg.eval_episodes,
+                                                       cfg.eval_effort_prompts, cfg.efforts,
+                                                       cfg.eval_effort_max_new_tokens)
             except ImportError as e:  # no practice worlds in this install: instruction items only
                 self.progress.message(f"note: no world evaluation ({e})")
                 self.heldout = sources.HeldOut(instruct_items=instruct.instruct_items(
@@ -134,7 +137,8 @@ class SFTTrainer(Trainer):
         agent = sft_eval.make_agent(self.model, self.tokenizer, thinking_effort=self.cfg.thinking_effort,
                                     max_new_tokens=self.cfg.eval_max_new_tokens)
         try:
-            rec = sft_eval.evaluate_behaviour(agent, heldout, self.cfg.eval_max_turns)
+            rec = sft_eval.evaluate_behaviour(agent, heldout, self.cfg.eval_max_turns,
+                                              lambda text: len(self.tokenizer.encode(text)))
         finally:
             agent.close()
             for m, b in backends.items():
