@@ -46,7 +46,7 @@ def _spec64(x, packed, scale, counts):
     ([3, 0, 20, 1, 0], 40, 64, SMALL),        # empty experts, N not a tile multiple, two K tiles
     ([0, 0, 37], 16, 96, SMALL),               # leading empty experts, rows over three M tiles; BK fits K
     ([1, 1, 1, 1], 32, 32, Mxfp4Tiles(16, 32, 32, 4, 1)),  # decode-like: one row per expert
-    ([5, 9, 0, 2], 48, 128, None),             # default tile choice (decode tiles, K split in two)
+    ([5, 9, 0, 2], 48, 128, None),             # default tile choice (decode tiles)
     ([1, 0, 2, 1], 64, 256, Mxfp4Tiles(16, 16, 32, 4, 1, split_k=3)),  # split K (8 K tiles in 3 ranges)
     ([0, 130, 0, 7], 24, 64, Mxfp4Tiles(128, 16, 64, 4, 1)),  # prefill-size row tiles, rows over two of them
 ])
@@ -104,13 +104,14 @@ def test_kernel_fp16_and_scale_range():
 
 
 def test_pick_tiles():
-    """Decode tiles at a few rows per expert (K split while the grid is small), larger row tiles with
-    more rows."""
+    """Decode tiles at a few rows per expert (narrower N tiles while the grid is small), larger row
+    tiles with more rows."""
     from k3.ops.mxfp4_gemm.triton_mxfp4 import DECODE_TILES, MID_TILES, PREFILL_TILES, pick_tiles
 
     assert pick_tiles(16, 896, 6144, 3584) == DECODE_TILES  # kimi-k3 batch 1: 16 experts x 96 N tiles
-    small = pick_tiles(8, 64, 1024, 512)  # k3-small batch 1: 8 experts x 16 N tiles
-    assert (small.bm, small.split_k) == (DECODE_TILES.bm, 2)
+    assert pick_tiles(8, 64, 1024, 512).bn == 64  # k3-small w13 batch 1: 8 experts x 16 N tiles of 64
+    assert pick_tiles(8, 64, 512, 512).bn == 32  # k3-small w2 batch 1
+    assert pick_tiles(8, 64, 512, 512).split_k == 1
     assert pick_tiles(64 * 40, 64, 1024, 512) == MID_TILES
     assert pick_tiles(65536, 64, 1024, 512) == PREFILL_TILES
     with pytest.raises(ValueError, match="bk"):

@@ -30,6 +30,7 @@ partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -164,28 +165,33 @@ class Mxfp4Tiles:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
 
 
+# Defaults from the tile sweep of `bench/mxfp4_gemm.py --sweep` on an H100 (k3-small and kimi-k3 expert
+# shapes, decode 1-64 and prefill 8192; docs/quantization.md): split K never won by more than noise, a
+# 256-row tile won every prefill shape.
 # rows per expert (S / E) <= 16: weight streaming, each active expert's weights read once
-DECODE_TILES = Mxfp4Tiles(bm=16, bn=64, bk=256, warps=4, stages=3)
+DECODE_TILES = Mxfp4Tiles(bm=16, bn=128, bk=128, warps=4, stages=3)
 # up to 64 rows per expert
 MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
-# prefill: every decoded weight tile feeds 128 rows
-PREFILL_TILES = Mxfp4Tiles(bm=128, bn=128, bk=64, warps=8, stages=3)
-# fewer programs than this leave SMs idle at decode (an H100 has 132): split K instead
-MIN_PROGRAMS = 264
+# prefill: every decoded weight tile feeds 256 rows
+PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3)
+# fewer decode programs than this leave SMs idle (an H100 has 132): narrower N tiles instead
+MIN_PROGRAMS = 128
 
 
 def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
-    """Tiles by rows per expert (host values only: S, E and the weight shape), with K split at decode
-    when the (N tiles x active experts) grid is smaller than MIN_PROGRAMS."""
+    """Tiles by rows per expert (host values only: S, E and the weight shape). At decode the N tile is
+    halved (down to 32) while the (N tiles x active experts) grid is smaller than MIN_PROGRAMS: the
+    sweep's winners for small N (k3-small: 64 at N = 1024, 32 at N = 512, one token)."""
     per_expert = rows / max(experts, 1)
     if per_expert > 64:
         return PREFILL_TILES
     if per_expert > 16:
         return MID_TILES
     t = DECODE_TILES
-    programs = triton.cdiv(n, t.bn) * max(1, min(experts, rows))
-    split = min(triton.cdiv(MIN_PROGRAMS, programs), max(1, k // _fit_bk(t.bk, k)))
-    return Mxfp4Tiles(t.bm, t.bn, t.bk, t.warps, t.stages, split_k=split) if split > 1 else t
+    bn = t.bn
+    while bn > 32 and triton.cdiv(n, bn) * max(1, min(experts, rows)) < MIN_PROGRAMS:
+        bn //= 2
+    return t if bn == t.bn else dataclasses.replace(t, bn=bn)
 
 
 def _fit_bk(bk: int, K: int) -> int:
