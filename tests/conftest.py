@@ -20,3 +20,13 @@ def _seed_and_float_modes():
     # The trainer and the serving engine flush denormals on CPU (a process-wide mode, for speed);
     # tests that check denormal values (MXFP4 scale 0, gate bounds) must not inherit it.
     torch.set_flush_denormal(False)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (engine / generation tests: many tiny ops, where a second thread
+    only adds synchronisation on the shared 2-core machine); restored afterwards."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

@@ -23,12 +23,7 @@ from k3.serve.sampling import SamplingParams
 WORDS = "the quick brown fox jumps over a lazy dog while data flows through the model cache".split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,8 @@ def corpus(n_docs: int = 300, seed: int = 0) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (`one_thread`, tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
