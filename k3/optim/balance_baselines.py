@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from k3.optim.quantile_balance import QuantileBalancer, balance_stats, layer_biases
+from k3.optim.quantile_balance import QuantileBalancer, balance_stats, check_observation, layer_biases
 
 __all__ = ["BALANCING_METHODS", "SignBalancer", "make_balancer"]
 
@@ -50,13 +50,8 @@ class SignBalancer:
     @torch.no_grad()
     def observe(self, layer_idx: int, scores: Tensor, bias: Tensor) -> None:
         """Count one routed batch: scores [..., E] float, bias [E] the bias it was routed with."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx: must be in [0, {self.num_layers}), got {layer_idx}")
+        check_observation(layer_idx, self.num_layers, scores, bias, self.num_experts)
         E = self.num_experts
-        if scores.shape[-1] != E or not scores.is_floating_point():
-            raise ValueError(f"scores: expected a float tensor [..., {E}], got {scores.dtype} {tuple(scores.shape)}")
-        if tuple(bias.shape) != (E,):
-            raise ValueError(f"bias: expected shape ({E},), got {tuple(bias.shape)}")
         scores = scores.detach().reshape(-1, E)
         if self._buf is None:
             self._buf = torch.zeros(self.num_layers, E + 1, dtype=torch.int64, device=scores.device)

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["QuantileBalancer", "balance_stats", "biased_margins", "exact_bias_update", "layer_biases"]
+__all__ = ["QuantileBalancer", "balance_stats", "biased_margins", "check_observation", "exact_bias_update",
+           "layer_biases"]
 
 _SPACINGS = ("linear", "asinh")
 _ESTIMATORS = ("histogram", "exact")
@@ -104,6 +105,18 @@ def layer_biases(biases: Mapping[int, Tensor] | Sequence[Tensor | None], num_lay
         if not 0 <= i < num_layers or tuple(b.shape) != (num_experts,):
             raise ValueError(f"biases[{i}]: expected a layer in [0, {num_layers}) with shape ({num_experts},)")
     return targets
+
+
+def check_observation(layer_idx: int, num_layers: int, scores: Tensor, bias: Tensor, num_experts: int) -> None:
+    """The arguments of a balancer's `observe`: a layer index in [0, num_layers), float scores [..., E] and a
+    bias [E]; a clear ValueError otherwise."""
+    if not 0 <= layer_idx < num_layers:
+        raise ValueError(f"layer_idx: must be in [0, {num_layers}), got {layer_idx}")
+    E = num_experts
+    if scores.shape[-1] != E or not scores.is_floating_point():
+        raise ValueError(f"scores: expected a float tensor [..., {E}], got {scores.dtype} {tuple(scores.shape)}")
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"bias: expected shape ({E},), got {tuple(bias.shape)}")
 
 
 class QuantileBalancer:
@@ -208,13 +221,8 @@ class QuantileBalancer:
         scores: [m, E] router sigmoid scores (fp32; any leading dims are flattened);
         bias: [E] the selection bias these tokens were routed with.
         """
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx: must be in [0, {self.num_layers}), got {layer_idx}")
+        check_observation(layer_idx, self.num_layers, scores, bias, self.num_experts)
         E = self.num_experts
-        if scores.shape[-1] != E or not scores.is_floating_point():
-            raise ValueError(f"scores: expected a float tensor [..., {E}], got {scores.dtype} {tuple(scores.shape)}")
-        if tuple(bias.shape) != (E,):
-            raise ValueError(f"bias: expected shape ({E},), got {tuple(bias.shape)}")
         scores = scores.detach().reshape(-1, E)
         buf = self._ensure_buffer(scores.device)
         counts, loads, tokens = self._views(buf)
