@@ -59,8 +59,8 @@ class DistRL:
     def shard(self, model: torch.nn.Module) -> None:
         self.par.setup(model)
 
-    def optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
-        return self.par.optimizer(groups)
+    def optimizer(self, groups: list[dict], fused: bool = True) -> torch.optim.Optimizer:
+        return self.par.optimizer(groups, fused=fused)
 
     # ---- one step ------------------------------------------------------------------------------------
     def collect(self, rollouts: Any, source: Iterator) -> list:

@@ -114,7 +114,8 @@ class OnPolicyTrainer:
             self.engine = self.new_engine(serving)
         geom = self.model.config.text_config
         groups = build_param_groups(self.model, geom, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr)
-        self.opt = PerHeadMuon(groups) if dist is None else dist.optimizer(groups)
+        fused = self.model.config.kernels.muon_fused
+        self.opt = PerHeadMuon(groups, fused=fused) if dist is None else dist.optimizer(groups, fused=fused)
         self.step = 0
         self.before: Any = {}
         self.rollouts: Any = None

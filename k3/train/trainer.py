@@ -108,7 +108,7 @@ class Trainer:
         geom = HeadGeometry.from_config(self.model_config.text_config)
         groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]
-        fused = self.model_config.kernels.muon != "torch"  # KernelConfig.muon: the fused elementwise step
+        fused = self.model_config.kernels.muon_fused
         self.opt = PerHeadMuon(groups, fused=fused) if self.par is None else self.par.optimizer(groups, fused=fused)
         self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
                     if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
