@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -157,7 +157,14 @@ for s in $sections; do
       timeout ${DRAFT_S:-540} python bench/draft.py --markdown --train-steps ${DRAFT_STEPS:-300} ${DRAFT_ARGS:-} 2>&1 \
         | quiet > "$OUT/draft.txt"
       grep -E "^\||^# |ERROR|Error" "$OUT/draft.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft)"; exit 2 ;;
+    balance)  # Quantile Balancing vs the sign update on k3-small (issue 33's GPU check): BALANCE_STEPS steps of
+      # 8 rows x 8,192 tokens (one stage, so every step of the tail has 8 independent rows) over the stdlib source
+      timeout ${BALANCE_S:-540} python bench/balance.py --preset k3-small --methods ${BALANCE_METHODS:-quantile,sign} \
+        --max-steps ${BALANCE_STEPS:-300} --set tokens_per_step=65536 --set micro_batch_tokens=32768 \
+        --set 'stages=[{"seq_len": 8192, "fraction": 1.0}]' --set warmup_steps=30 --set eval_every=100 \
+        --set eval_tokens=262144 --out "$OUT/balance" 2>&1 | tr '\r' '\n' | quiet | tail -60 > "$OUT/balance.txt"
+      grep -E "^\||Error|error" "$OUT/balance.txt" ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done
