@@ -158,11 +158,16 @@ for s in $sections; do
         | quiet > "$OUT/draft.txt"
       grep -E "^\||^# |ERROR|Error" "$OUT/draft.txt" ;;
     balance)  # Quantile Balancing vs the sign update on k3-small (issue 33's GPU check): BALANCE_STEPS steps of
-      # 8 rows x 8,192 tokens (one stage, so every step of the tail has 8 independent rows) over the stdlib source
+      # 8 rows x 8,192 tokens (one stage, so every step of the tail has 8 independent rows) over torch's Python source
+      # (BALANCE_DATA; the device's slim stdlib is 2.4M tokens, 8 epochs of a 300-step run)
+      data=${BALANCE_DATA:-$(python -c "import os, torch; print(os.path.dirname(torch.__file__))")}
       timeout ${BALANCE_S:-540} python bench/balance.py --preset k3-small --methods ${BALANCE_METHODS:-quantile,sign} \
+        --set data=\"$data\" \
         --max-steps ${BALANCE_STEPS:-300} --set tokens_per_step=65536 --set micro_batch_tokens=32768 \
         --set 'stages=[{"seq_len": 8192, "fraction": 1.0}]' --set warmup_steps=30 --set eval_every=100 \
-        --set eval_tokens=262144 --out "$OUT/balance" 2>&1 | tr '\r' '\n' | quiet | tail -60 > "$OUT/balance.txt"
+        --set eval_tokens=262144 --out /tmp/balance 2>&1 | tr '\r' '\n' | quiet | tail -60 > "$OUT/balance.txt"
+      for f in /tmp/balance/balance.* /tmp/balance/*/metrics.jsonl; do  # not the checkpoints
+        mkdir -p "$OUT/$(dirname ${f#/tmp/})"; cp "$f" "$OUT/${f#/tmp/}"; done
       grep -E "^\||Error|error" "$OUT/balance.txt" ;;
     *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
   esac
