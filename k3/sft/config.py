@@ -43,6 +43,12 @@ class SFTConfig(TrainConfig):
     # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
     # `thinking_effort`). The evaluation measures the mean reasoning length at each of them.
     efforts: list[str] = field(default_factory=lambda: ["low", "high", "max"])
+    # Loss weights (k3.sft.weights): the targets that depend on the context -- each called tool's name,
+    # argument values, the first `decision_think_tokens` of each reasoning -- weigh `decision_weight`, the
+    # rest 1, normalised to a per-token mean (1.0: the plain mean). One process only: torchrun runs
+    # weigh every target 1 (a note says so).
+    decision_weight: float = 1.0
+    decision_think_tokens: int = 4
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
@@ -69,11 +75,14 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config efforts={self.efforts!r}: must be a list of {EFFORT_LEVELS}")
         if not isinstance(self.lean_fraction, (int, float)) or not 0 <= self.lean_fraction <= 1:
             raise ConfigError(f"sft config lean_fraction={self.lean_fraction!r}: must be in [0, 1]")
+        if isinstance(self.decision_weight, bool) or not isinstance(self.decision_weight, (int, float)) \
+                or not self.decision_weight >= 1:
+            raise ConfigError(f"sft config decision_weight={self.decision_weight!r}: must be a number >= 1")
         if not isinstance(self.worlds, list) or not all(isinstance(w, str) for w in self.worlds):
             raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
         if self.max_difficulty not in (1, 2, 3):
             raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
-        for name in ("world_tasks", "instruct_items", "lean_distractors", "val_conversations", "eval_tool_turns",
+        for name in ("world_tasks", "instruct_items", "decision_think_tokens", "lean_distractors", "val_conversations", "eval_tool_turns",
                      "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
                      "eval_effort_prompts", "eval_effort_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)
