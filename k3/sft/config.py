@@ -37,7 +37,7 @@ class SFTConfig(TrainConfig):
     # Of the training trajectories, this fraction (evenly spread) declares only the tools it calls plus
     # `lean_distractors` others: the declarations are most of a trajectory's tokens and none of its
     # targets. Held-out trajectories, the validation loss and the episodes keep the world's full list.
-    lean_fraction: float = 0.5
+    lean_fraction: float = 1.0
     lean_distractors: int = 2
     # Effort-conditioned reasoning (k3.sft.effort): the k-th generated conversation of each kind reasons
     # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
@@ -47,7 +47,7 @@ class SFTConfig(TrainConfig):
     # argument values, the first `decision_think_tokens` of each reasoning -- weigh `decision_weight`, the
     # rest 1, normalised to a per-token mean (1.0: the plain mean). One process only: torchrun runs
     # weigh every target 1 (a note says so).
-    decision_weight: float = 1.0
+    decision_weight: float = 5.0
     decision_think_tokens: int = 4
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
@@ -100,11 +100,11 @@ class SFTConfig(TrainConfig):
         return super().from_dict(d)  # type: ignore[return-value]
 
 
-# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 4096 tokens (a whole
-# world trajectory with its tool declaration fits), one row a step (more updates for the same tokens),
-# a short warmup.
+# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 2048 tokens, one a step
+# (twice the updates of 4096-token rows for the same tokens and time), every training trajectory with lean
+# tool declarations (they fit the shorter rows), decision tokens weighted 5, a short warmup.
 SFT_DEFAULTS: dict[str, Any] = {
-    "max_steps": 120, "tokens_per_step": 4096, "stages": [Stage(4096, 1.0)],
-    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 6, "decay_fraction": 0.3,
-    "eval_every": 60, "save_every": 40,
+    "max_steps": 240, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
+    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,
+    "eval_every": 120, "save_every": 80,
 }
