@@ -102,7 +102,7 @@ class SFTConfig(TrainConfig):
 
 # The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 2048 tokens, one a step
 # (twice the updates of 4096-token rows for the same tokens and time), every training trajectory with lean
-# tool declarations (they fit the shorter rows), decision tokens weighted 5, a short warmup.
+# tool declarations (shorter: fewer are cut at the row length), decision tokens weighted 5, a short warmup.
 SFT_DEFAULTS: dict[str, Any] = {
     "max_steps": 240, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
     "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,
