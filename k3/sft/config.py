@@ -82,8 +82,8 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
         if self.max_difficulty not in (1, 2, 3):
             raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
-        for name in ("world_tasks", "instruct_items", "decision_think_tokens", "lean_distractors", "val_conversations", "eval_tool_turns",
-                     "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
+        for name in ("world_tasks", "instruct_items", "decision_think_tokens", "lean_distractors",
+                     "val_conversations", "eval_tool_turns", "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
                      "eval_effort_prompts", "eval_effort_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

@@ -115,6 +115,8 @@ class SFTTrainer(Trainer):
         return pack(docs, cfg.seq_len, self.tokenizer.pad_id)
 
     def text_loss(self, batch, ids, labels, cu):
+        """The trainer's loss, or with decision weights (one process) the weighted mean of
+        k3.sft.weights.weighted_loss (logged: the plain mean)."""
         if batch.loss_weights is None or self.par is not None:
             return super().text_loss(batch, ids, labels, cu)
         logits = self.model(ids, cu_seqlens=cu).logits

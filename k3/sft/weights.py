@@ -4,7 +4,7 @@ Most assistant targets of an agent trajectory are predictable without reading th
 of a turn, the argument syntax, stock reasoning phrases); the few that depend on it -- which tool, which
 argument values, how the reasoning starts under the requested thinking effort -- are where an
 undertrained model is wrong, and in a per-token mean their gradient is diluted by everything else.
-`decision_mask` marks them on the rendered conversation:
+`encode_with_decisions` marks them while rendering a conversation:
 
 * the name of each called tool (the value of a `call` tag's `tool` attribute),
 * the value of each argument (the text inside an `argument` tag),

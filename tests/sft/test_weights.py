@@ -72,3 +72,15 @@ def test_weighted_loss(base_dir, tokenizer):
 def test_unweighted_docs_give_unweighted_batches(tokenizer):
     data = pack([encode_conversation(CONV, tokenizer, "low")], 2048, tokenizer.pad_id)
     assert data.w is None and collate(data, [0]).loss_weights is None
+
+
+def test_decision_weight_config():
+    import pytest
+
+    from k3.config import ConfigError
+    from k3.sft.config import SFTConfig
+
+    assert SFTConfig.from_dict({}).validate().decision_weight == 5.0
+    for bad in (0.5, True, "5"):
+        with pytest.raises(ConfigError, match="decision_weight"):
+            SFTConfig.from_dict({"decision_weight": bad}).validate()
