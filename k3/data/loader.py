@@ -39,6 +39,8 @@ class Batch:
     cu_seqlens: [N+1] int32, 0 = cu_seqlens[0] < ... < cu_seqlens[N] = B*T.
     num_tokens: B*T input tokens; num_targets: labels != -100 (divide the summed loss by it).
     max_seqlen: the longest segment (max diff of cu_seqlens).
+    loss_weights: None (every target counts the same), or [1, B*T] float32 per-target weights with mean 1
+        over the batch's targets, for sources whose loss is a weighted mean (k3 sft's decision weights).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +51,7 @@ class Batch:
     max_seqlen: int
     seq_len: int
     batch_size: int
+    loss_weights: torch.Tensor | None = None
 
     def split_rows(self, rows: int) -> list["Batch"]:
         """Consecutive groups of `rows` rows (the last may be shorter), each a Batch of its own with
@@ -64,15 +67,17 @@ class Batch:
             a, b = r0 * T, (r0 + n) * T
             sub_cu = cu[(cu >= a) & (cu <= b)] - a  # rows start documents, so a and b are entries
             labels = self.labels[:, a:b]
+            w = None if self.loss_weights is None else self.loss_weights[:, a:b]
             out.append(Batch(self.input_ids[:, a:b], labels, sub_cu.to(cu.dtype), n * T,
-                             int((labels != IGNORE_INDEX).sum()), int(sub_cu.diff().max()), T, n))
+                             int((labels != IGNORE_INDEX).sum()), int(sub_cu.diff().max()), T, n, w))
         return out
 
     def to(self, device: torch.device | str) -> "Batch":
         """Copy of the batch with its tensors on `device` (non-blocking from pinned memory)."""
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
                      self.cu_seqlens.to(device, non_blocking=True), self.num_tokens, self.num_targets,
-                     self.max_seqlen, self.seq_len, self.batch_size)
+                     self.max_seqlen, self.seq_len, self.batch_size,
+                     None if self.loss_weights is None else self.loss_weights.to(device, non_blocking=True))
 
 
 def collate_rows(rows: PackedRows, indices: np.ndarray | list[int]) -> Batch:

@@ -37,12 +37,18 @@ class SFTConfig(TrainConfig):
     # Of the training trajectories, this fraction (evenly spread) declares only the tools it calls plus
     # `lean_distractors` others: the declarations are most of a trajectory's tokens and none of its
     # targets. Held-out trajectories, the validation loss and the episodes keep the world's full list.
-    lean_fraction: float = 0.5
+    lean_fraction: float = 1.0
     lean_distractors: int = 2
     # Effort-conditioned reasoning (k3.sft.effort): the k-th generated conversation of each kind reasons
     # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
     # `thinking_effort`). The evaluation measures the mean reasoning length at each of them.
     efforts: list[str] = field(default_factory=lambda: ["low", "high", "max"])
+    # Loss weights (k3.sft.weights): the targets that depend on the context -- each called tool's name,
+    # argument values, the first `decision_think_tokens` of each reasoning -- weigh `decision_weight`, the
+    # rest 1, normalised to a per-token mean (1.0: the plain mean). One process only: torchrun runs
+    # weigh every target 1 (a note says so).
+    decision_weight: float = 5.0
+    decision_think_tokens: int = 4
     val_conversations: int = 24  # held-out conversations for the validation loss
     # Behavioural evaluation (base model before training, then every `behavior_eval_every` steps
     # (0 = only at the end)): teacher-forced next tool call, instruction following, whole episodes.
@@ -69,12 +75,15 @@ class SFTConfig(TrainConfig):
             raise ConfigError(f"sft config efforts={self.efforts!r}: must be a list of {EFFORT_LEVELS}")
         if not isinstance(self.lean_fraction, (int, float)) or not 0 <= self.lean_fraction <= 1:
             raise ConfigError(f"sft config lean_fraction={self.lean_fraction!r}: must be in [0, 1]")
+        if isinstance(self.decision_weight, bool) or not isinstance(self.decision_weight, (int, float)) \
+                or not self.decision_weight >= 1:
+            raise ConfigError(f"sft config decision_weight={self.decision_weight!r}: must be a number >= 1")
         if not isinstance(self.worlds, list) or not all(isinstance(w, str) for w in self.worlds):
             raise ConfigError(f"sft config worlds={self.worlds!r}: must be a list of world names")
         if self.max_difficulty not in (1, 2, 3):
             raise ConfigError(f"sft config max_difficulty={self.max_difficulty!r}: must be 1, 2 or 3")
-        for name in ("world_tasks", "instruct_items", "lean_distractors", "val_conversations", "eval_tool_turns",
-                     "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
+        for name in ("world_tasks", "instruct_items", "decision_think_tokens", "lean_distractors",
+                     "val_conversations", "eval_tool_turns", "eval_instruct_items", "eval_episodes", "eval_max_turns", "eval_max_new_tokens",
                      "eval_effort_prompts", "eval_effort_max_new_tokens", "behavior_eval_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
@@ -91,11 +100,11 @@ class SFTConfig(TrainConfig):
         return super().from_dict(d)  # type: ignore[return-value]
 
 
-# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 4096 tokens (a whole
-# world trajectory with its tool declaration fits), one row a step (more updates for the same tokens),
-# a short warmup.
+# The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 2048 tokens, one a step
+# (twice the updates of 4096-token rows for the same tokens and time), every training trajectory with lean
+# tool declarations (shorter: fewer are cut at the row length), decision tokens weighted 5, a short warmup.
 SFT_DEFAULTS: dict[str, Any] = {
-    "max_steps": 120, "tokens_per_step": 4096, "stages": [Stage(4096, 1.0)],
-    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 6, "decay_fraction": 0.3,
-    "eval_every": 60, "save_every": 40,
+    "max_steps": 240, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
+    "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,
+    "eval_every": 120, "save_every": 80,
 }

@@ -26,7 +26,8 @@ from k3.sft import instruct
 from k3.sft import sources
 from k3.sft.config import SFTConfig
 from k3.sft.data import load_conversations
-from k3.sft.packing import SFTLoader, encode_conversation, pack, val_batches
+from k3.sft.packing import SFTLoader, encode_conversation, encode_weighted, pack, val_batches
+from k3.sft.weights import weighted_loss
 from k3.train.data import TrainData
 from k3.train.trainer import Trainer, TrainResult
 
@@ -86,7 +87,11 @@ class SFTTrainer(Trainer):
                                                         cfg.instruct_items, cfg.efforts, cfg.lean_fraction,
                                                         cfg.lean_distractors)
             val = sources.validation_conversations(cfg.worlds, cfg.max_difficulty, cfg.val_conversations, cfg.efforts)
-        packed = self._pack(train)
+        weighted = cfg.decision_weight != 1 and self.par is None
+        if cfg.decision_weight != 1 and self.par is not None:
+            log(f"note: decision_weight={cfg.decision_weight} applies to one-process runs; under torchrun every "
+                "target weighs 1")
+        packed = self._pack(train, weighted)
         if packed.num_rows == 0:
             raise ConfigError(f"no conversation has an assistant token within its first seq_len={cfg.seq_len} tokens; "
                               "raise the stage's seq_len with --config")
@@ -100,9 +105,22 @@ class SFTTrainer(Trainer):
             f"{len(val)} held-out conversations; {cfg.max_steps * B / packed.num_rows:.2f} epochs")
         return TrainData(self.tokenizer, loader, vb, _target_entropy(packed.y), packed.num_targets)
 
-    def _pack(self, convs: list[dict]):
-        docs = [encode_conversation(c, self.tokenizer, self.cfg.thinking_effort) for c in convs]
-        return pack(docs, self.cfg.seq_len, self.tokenizer.pad_id)
+    def _pack(self, convs: list[dict], weighted: bool = False):
+        cfg = self.cfg
+        if weighted and cfg.decision_weight != 1:
+            docs = [encode_weighted(c, self.tokenizer, cfg.thinking_effort, cfg.decision_weight,
+                                    cfg.decision_think_tokens) for c in convs]
+        else:
+            docs = [encode_conversation(c, self.tokenizer, cfg.thinking_effort) for c in convs]
+        return pack(docs, cfg.seq_len, self.tokenizer.pad_id)
+
+    def text_loss(self, batch, ids, labels, cu):
+        """The trainer's loss, or with decision weights (one process) the weighted mean of
+        k3.sft.weights.weighted_loss (logged: the plain mean)."""
+        if batch.loss_weights is None or self.par is not None:
+            return super().text_loss(batch, ids, labels, cu)
+        logits = self.model(ids, cu_seqlens=cu).logits
+        return weighted_loss(logits, labels, batch.loss_weights.to(logits.device))
 
     def evaluate(self) -> float:
         val = super().evaluate() if self.data.val_batches else float("nan")

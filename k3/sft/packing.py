@@ -26,6 +26,7 @@ import torch
 from k3.chat.render import render
 from k3.data.loader import Batch
 from k3.data.packing import IGNORE_INDEX
+from k3.sft.weights import encode_with_decisions, normalise
 
 _STATE_VERSION = 1
 
@@ -35,6 +36,19 @@ def encode_conversation(conv: dict, tokenizer: Any, thinking_effort: str = "low"
     ids, mask = render(conv["messages"], tokenizer, conv.get("tools") or None,
                        thinking_effort=conv.get("thinking_effort") or thinking_effort)
     return targets_from_mask(ids, mask)
+
+
+def encode_weighted(conv: dict, tokenizer: Any, thinking_effort: str, decision_weight: float,
+                    think_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`encode_conversation` plus target weights [n] float32: `decision_weight` where the target is a
+    decision token of k3.sft.weights (tool name, argument value, the reasoning's first `think_tokens`),
+    else 1."""
+    ids, mask, decision = encode_with_decisions(conv["messages"], tokenizer, conv.get("tools") or None,
+                                                conv.get("thinking_effort") or thinking_effort, think_tokens)
+    x, y = targets_from_mask(ids, mask)
+    w = np.ones(len(x), dtype=np.float32)
+    w[:-1] = np.where(np.asarray(decision[1:], dtype=bool), np.float32(decision_weight), np.float32(1))
+    return x, y, w
 
 
 def targets_from_mask(ids: Sequence[int], mask: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +66,8 @@ def targets_from_mask(ids: Sequence[int], mask: Sequence[int]) -> tuple[np.ndarr
 class PackedData:
     """Rows of packed conversations. x, y: [R, T] int64; starts[r]: ascending segment starts in row r
     (0 first; padding, if any, is the last segment). truncated: conversations cut at T; dropped: those
-    with no assistant target within their first T tokens (not packed)."""
+    with no assistant target within their first T tokens (not packed). w: None, or [R, T] float32 target
+    weights (1 on padding) when the documents carried them."""
 
     x: np.ndarray
     y: np.ndarray
@@ -60,6 +75,7 @@ class PackedData:
     num_conversations: int
     truncated: int
     dropped: int = 0
+    w: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -77,17 +93,22 @@ class PackedData:
     def fingerprint(self) -> str:
         h = hashlib.sha256(self.x.tobytes())
         h.update(self.y.tobytes())
+        if self.w is not None:
+            h.update(self.w.tobytes())
         return h.hexdigest()[:16]
 
 
-def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> PackedData:
-    """Best-fit-decreasing packing of (ids, targets) documents into rows of `seq_len` (module docstring).
-    Deterministic: ties keep the input order."""
+def pack(docs: Sequence[tuple[np.ndarray, ...]], seq_len: int, pad_id: int) -> PackedData:
+    """Best-fit-decreasing packing of (ids, targets) or (ids, targets, weights) documents (all of one
+    kind) into rows of `seq_len` (module docstring). Deterministic: ties keep the input order."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    truncated = sum(len(x) > seq_len for x, _ in docs)
-    cut = [(x[:seq_len], y[:seq_len]) for x, y in docs]
-    docs = [(x, y) for x, y in cut if (y != IGNORE_INDEX).any()]  # nothing left to learn: not packed
+    weighted = bool(docs) and len(docs[0]) == 3
+    if any(len(d) != len(docs[0]) for d in docs):
+        raise ValueError("pack: documents mix (ids, targets) and (ids, targets, weights)")
+    truncated = sum(len(d[0]) > seq_len for d in docs)
+    cut = [tuple(a[:seq_len] for a in d) for d in docs]
+    docs = [d for d in cut if (d[1] != IGNORE_INDEX).any()]  # nothing left to learn: not packed
     order = sorted(range(len(docs)), key=lambda i: -len(docs[i][0]))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -105,18 +126,21 @@ def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: in
         free[best] -= n
     X = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
     Y = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    W = np.ones((len(rows), seq_len), dtype=np.float32) if weighted else None
     starts = []
     for r, members in enumerate(rows):
         at, s = 0, []
         for i in members:
-            x, y = docs[i]
+            x, y = docs[i][:2]
             X[r, at:at + len(x)], Y[r, at:at + len(x)] = x, y
+            if W is not None:
+                W[r, at:at + len(x)] = docs[i][2]
             s.append(at)
             at += len(x)
         if at < seq_len:
             s.append(at)  # the padding's own segment
         starts.append(np.asarray(s, dtype=np.int64))
-    return PackedData(X, Y, starts, len(docs), truncated, len(cut) - len(docs))
+    return PackedData(X, Y, starts, len(docs), truncated, len(cut) - len(docs), W)
 
 
 def collate(data: PackedData, rows: Sequence[int]) -> Batch:
@@ -127,10 +151,11 @@ def collate(data: PackedData, rows: Sequence[int]) -> Batch:
         raise ValueError("collate: no rows")
     cu = np.concatenate([data.starts[int(r)] + b * T for b, r in enumerate(idx)] + [np.array([idx.size * T])])
     x, y = data.x[idx].reshape(1, -1), data.y[idx].reshape(1, -1)
+    w = None if data.w is None else torch.from_numpy(normalise(data.w[idx].reshape(1, -1), y))
     return Batch(input_ids=torch.from_numpy(x.copy()), labels=torch.from_numpy(y.copy()),
                  cu_seqlens=torch.from_numpy(cu.astype(np.int32)), num_tokens=idx.size * T,
                  num_targets=int((y != IGNORE_INDEX).sum()), max_seqlen=int(np.diff(cu).max()), seq_len=T,
-                 batch_size=int(idx.size))
+                 batch_size=int(idx.size), loss_weights=w)
 
 
 class SFTLoader:

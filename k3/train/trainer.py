@@ -312,7 +312,7 @@ class Trainer:
                                                                to_device_async(cu, self.device), vb,
                                                                self.cfg.vision_loss_weight)
                 elif self.par is None:
-                    objective = mloss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
+                    objective, mloss = self.text_loss(mb, ids, labels, cu)
                 else:
                     local = self.par.local_batch(ids, labels, to_device_async(cu, self.device), mb.seq_len)
                     objective, mloss = self.par.loss(self.model, local)
@@ -320,6 +320,12 @@ class Trainer:
             loss = loss + mloss.detach() * w
             flops += batch_flops(self.model_config.text_config, self.num_params[1], mb.cu_seqlens)
         return loss, flops, vb, vision_loss
+
+    def text_loss(self, batch, ids: torch.Tensor, labels: torch.Tensor, cu: torch.Tensor) -> tuple[Any, Any]:
+        """(objective to backpropagate, mean token loss to log) of one single-process micro-batch: both the
+        model's mean cross-entropy. A subclass whose batches carry `loss_weights` overrides it."""
+        loss = self.model(ids, labels=labels, cu_seqlens=cu, return_logits=False).loss
+        return loss, loss
 
     @torch.no_grad()
     def evaluate(self) -> float:

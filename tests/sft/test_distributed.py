@@ -35,7 +35,8 @@ def test_torchrun_sft_matches_one_process(base_dir, tmp_path):
     data = tmp_path / "c.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
     cfg = {"tokens_per_step": 2048, "stages": [{"seq_len": 1024, "fraction": 1.0}], "warmup_steps": 1,
-           "eval_every": 100, "eval_instruct_items": 0, "eval_tool_turns": 0, "eval_episodes": 0, "qb_bins": 64}
+           "eval_every": 100, "eval_instruct_items": 0, "eval_tool_turns": 0, "eval_episodes": 0, "qb_bins": 64,
+           "decision_weight": 1.0}  # torchrun trains unweighted (k3.sft.weights): compare like with like
     data.with_suffix(".cfg.json").write_text(json.dumps(cfg))
     one = _sft(base_dir, data, tmp_path / "one", torchrun=False)
     two = _sft(base_dir, data, tmp_path / "two", torchrun=True)
