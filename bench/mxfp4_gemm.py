@@ -103,21 +103,22 @@ def timed(fn, reps: int, dev: str) -> float:
 
 
 def candidates(rows: int, E: int) -> list:
-    """The --sweep set for S = rows over E experts: weight-streaming tiles (BM 16, K split or not) at a few
-    rows per expert, larger row tiles otherwise; the default (pick_tiles) is timed separately."""
-    from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles
+    """The --sweep set for S = rows over E experts: weight-streaming tiles (BM 16) at a few rows per
+    expert, larger row tiles otherwise, each with a K order / decode variant (Mxfp4Tiles.perm / asm; the
+    first of each list is the previous kernel); the default (pick_tiles) is timed separately."""
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles as T
 
     if rows <= 16 * E:
-        return [Mxfp4Tiles(16, bn, bk, 4, st, sk) for bn, bk, st, sk in
-                [(64, 128, 4, 1), (64, 256, 3, 1), (64, 512, 2, 1), (128, 128, 3, 1), (128, 256, 3, 1),
-                 (32, 256, 4, 1), (64, 256, 3, 2), (64, 128, 4, 4), (128, 128, 3, 2)]]
+        return [T(16, 128, 128, 4, 3, perm=0, asm=False), T(16, 128, 128, 4, 3, perm=0, asm=True),
+                T(16, 128, 128, 4, 3, perm=3, asm=False), T(16, 128, 256, 4, 3), T(16, 64, 256, 4, 3),
+                T(16, 128, 128, 4, 4), T(16, 256, 128, 8, 3)]
     if rows <= 64 * E:
-        return [Mxfp4Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
-                [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-                 (64, 256, 64, 8, 3)]]
-    return [Mxfp4Tiles(bm, bn, bk, w, st) for bm, bn, bk, w, st in
-            [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4),
-             (128, 64, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)]]
+        return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
+                [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
+    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=3), T(256, 128, 128, 8, 2, perm=0),
+            T(128, 128, 64, 8, 3, perm=0), T(128, 256, 64, 8, 3, perm=0), T(128, 256, 64, 8, 3, perm=0, swap=True),
+            T(128, 128, 64, 4, 3, perm=0, swap=True), T(256, 128, 64, 8, 3, perm=0, swap=True),
+            T(128, 256, 128, 8, 3, perm=0, swap=True)]
 
 
 def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
@@ -221,9 +222,10 @@ def model_step(preset: str, batches: list[int], reps: int, dev: str) -> None:
               flush=True)
 
 
-def sass_report() -> None:
-    """Compile `_mxfp4_gmm` for sm_90 (no GPU needed) for each default tile shape and print the K loop's
-    SASS instruction mix (the body between the loop's backward branch and its target)."""
+def sass_row(label: str, t) -> str:
+    """Compile `_mxfp4_gmm` for sm_90 (no GPU needed) with tiles t (bf16 activations) and return the table
+    row: registers, shared memory, MMA kind and the K loop's SASS instruction mix (the body between the
+    loop's backward branch and its target) per decoded weight and thread."""
     import collections
     import re
     import subprocess
@@ -240,32 +242,39 @@ def sass_report() -> None:
     types = ["*bf16", "*u8", "*u8", "*bf16", "*i32"] + ["i32"] * 10
     aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False,
+                  PERM=t.perm, ASM=t.asm, SWAP=t.swap)
+    sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
+    src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": t.warps, "num_stages": t.stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+    ins = [(int(m[0], 16), m[1], m[2]) for m in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
+    loops = [(int(j.group(1), 16), a) for a, op, rest in ins if op.startswith("BRA")
+             for j in [re.search(r"0x([0-9a-f]+)", rest)] if j and int(j.group(1), 16) < a]
+    body = [op.split(".")[0] for a, op, _ in ins if loops and loops[0][0] <= a <= loops[0][1]]
+    weights = t.bn * t.bk / (32 * t.warps)  # decoded weights per thread per K tile
+    regs = re.search(r"REG:(\d+)", usage)
+    mma = "wgmma (HGMMA)" if "HGMMA" in sass else ("mma.sync (HMMA)" if "HMMA" in sass else "none")
+    top = ", ".join(f"{op} {n / weights:.2f}" for op, n in collections.Counter(body).most_common(6))
+    return (f"| {label} {t} | {regs.group(1) if regs else '?'} | {k.metadata.shared} | {mma} | "
+            f"{len(body) / weights:.2f} | {top} |")
+
+
+def sass_report() -> None:
+    """`sass_row` of each default tile shape."""
+    from k3.ops.mxfp4_gemm import triton_mxfp4 as tm
+
     print("| tiles | registers | smem bytes | MMA | K-loop instructions per weight per thread | top ops |")
     print("|---|---|---|---|---|---|")
     for label, t in [("decode", tm.DECODE_TILES), ("mid", tm.MID_TILES), ("prefill", tm.PREFILL_TILES)]:
-        consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False)
-        sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
-        src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
-                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": t.warps, "num_stages": t.stages})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
-            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
-                                   text=True).stdout
-        ins = [(int(m[0], 16), m[1], m[2]) for m in
-               re.findall(r"/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass)]
-        loops = [(int(j.group(1), 16), a) for a, op, rest in ins if op.startswith("BRA")
-                 for j in [re.search(r"0x([0-9a-f]+)", rest)] if j and int(j.group(1), 16) < a]
-        body = [op.split(".")[0] for a, op, _ in ins if loops and loops[0][0] <= a <= loops[0][1]]
-        weights = t.bn * t.bk / (32 * t.warps)  # decoded weights per thread per K tile
-        regs = re.search(r"REG:(\d+)", usage)
-        mma = "wgmma (HGMMA)" if "HGMMA" in sass else ("mma.sync (HMMA)" if "HMMA" in sass else "none")
-        top = ", ".join(f"{op} {n / weights:.2f}" for op, n in collections.Counter(body).most_common(6))
-        print(f"| {label} {t} | {regs.group(1) if regs else '?'} | {k.metadata.shared} | {mma} | "
-              f"{len(body) / weights:.2f} | {top} |", flush=True)
+        print(sass_row(label, t), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

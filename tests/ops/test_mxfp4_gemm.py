@@ -103,6 +103,25 @@ def test_kernel_fp16_and_scale_range():
             assert torch.allclose(y.float(), want16.float(), rtol=torch.finfo(dtype).eps, atol=0), dtype
 
 
+@pytest.mark.parametrize("perm,bk,swap", [(0, 64, False), (1, 128, False), (2, 64, False), (3, 32, False),
+                                          (3, 128, False), (0, 64, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_orders_decode_exactly(perm, bk, swap, dtype):
+    """One-hot rows pick single weights: y[r, n] = W[n, k] exactly for every K order of the operands
+    (bf16: the GPU's asm decode where it runs), over the whole exact scale range (E8M0 bytes 34..160)."""
+    g = torch.Generator().manual_seed(4)
+    E, N, K = 2, 16, 128
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g).to(DEV)
+    scale = torch.randint(34, 161, (E, N, K // 32), dtype=torch.uint8, generator=g).to(DEV)
+    x = torch.eye(K).repeat(E, 1).to(DEV, dtype)  # expert e gets the K one-hot rows
+    offs = _offs([K] * E)
+    y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=Mxfp4Tiles(16, 16, bk, 4, 1, perm=perm, swap=swap),
+                         use_triton=True).cpu()
+    for e in range(E):
+        w = decode_mxfp4(packed[e].cpu(), scale[e].cpu(), dtype=torch.float32)
+        assert torch.equal(y[e * K:(e + 1) * K].float(), w.t()), e
+
+
 def test_pick_tiles():
     """Decode tiles at a few rows per expert (narrower N tiles while the grid is small), larger row
     tiles with more rows."""

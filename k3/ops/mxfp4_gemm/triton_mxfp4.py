@@ -66,19 +66,80 @@ def _e8m0_factor(s, SHIFT: tl.constexpr):
     return (tl.minimum(s + (126 - SHIFT), 255) << 23).to(tl.float32, bitcast=True)
 
 
+# bf16 decode of 4 packed bytes per asm instance (GPU): $4 = bytes b0..b3, $5 / $6 = the bf16 factors of
+# elements (0, 1) / (2, 3); out $0 / $1 = low nibbles of (b0, b1) / (b2, b3) as bf16 pairs, $2 / $3 = high
+# nibbles. prmt spreads two bytes to the two 16-bit halves; per half the nibble's magnitude bits go to bits
+# 6-8 (the two lowest exponent bits and the top mantissa bit) and its sign to bit 15 by one multiply (two
+# non-overlapping copies) and one mask: the E2M1 value times 2^-126 as a bf16 (code 1 = 0.5 a subnormal,
+# which bf16 arithmetic keeps), then one bf16x2 multiply by 2^(s - 1 - SHIFT) gives the weight times
+# 2^-SHIFT exactly: three integer ops and half a multiply per weight.
+_ASM_DECODE: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 z, t0, t1, a0, a1, a2, a3;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+and.b32 a0, t0, 0x000F000F;
+and.b32 a1, t1, 0x000F000F;
+and.b32 a2, t0, 0x00F000F0;
+and.b32 a3, t1, 0x00F000F0;
+mul.lo.u32 a0, a0, 0x1040;
+mul.lo.u32 a1, a1, 0x1040;
+mul.lo.u32 a2, a2, 0x104;
+mul.lo.u32 a3, a3, 0x104;
+and.b32 a0, a0, 0x81C081C0;
+and.b32 a1, a1, 0x81C081C0;
+and.b32 a2, a2, 0x81C081C0;
+and.b32 a3, a3, 0x81C081C0;
+mul.rn.bf16x2 $0, a0, $5;
+mul.rn.bf16x2 $1, a1, $6;
+mul.rn.bf16x2 $2, a2, $5;
+mul.rn.bf16x2 $3, a3, $6;
+}
+""")
+
+
 @triton.jit
-def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr):
-    """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT:
-    the weights times W_UP * 2^-SHIFT, column 2j from byte j's low nibble and 2j + 1 from its high one."""
-    lo, hi = _raw_lo_hi(p.to(tl.uint32))
-    f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
-    lo = lo * f
-    hi = hi * f
-    if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
-        lo = lo * W_UP
-        hi = hi * W_UP
-    w = tl.join(cvt(lo, WDT), cvt(hi, WDT))  # [BN, G, 16, 2]: exact products, exact casts
-    return tl.reshape(w, (p.shape[0], p.shape[1] * 32))
+def _k_order(t, BK: tl.constexpr, PERM: tl.constexpr):
+    """t [R, BK / 2, 2] (K in order: byte j's two columns 2j, 2j + 1) -> [R, BK] in the kernel's K order
+    (any permutation of K applied to both operands leaves the dot unchanged). In the wgmma register operand
+    a thread holds columns 2q, 2q + 1 (one 32-bit register) plus multiples of 8 (q = lane % 4).
+    PERM 0: K in order: the thread's bytes are every fourth byte.
+    PERM 1: K = (q, m, h) [4, BK / 8, 2] -> (m, q, h): the thread's bytes are BK / 8 consecutive ones.
+    PERM 2: as 1 (x read in that order by its pointers instead of permuted in registers).
+    PERM 3: K = (q, j, t, h) [4, BK / 16, 2, 2] -> (j, h, q, t): consecutive bytes as in 1, and a
+    register pair holds the same nibble of two consecutive bytes (what `_ASM_DECODE` produces)."""
+    if PERM == 1 or PERM == 2:
+        t = tl.reshape(t, (t.shape[0], 4, BK // 8, 2))
+        t = tl.permute(t, (0, 2, 1, 3))
+    elif PERM == 3:
+        t = tl.reshape(t, (t.shape[0], 4, BK // 16, 2, 2))
+        t = tl.permute(t, (0, 2, 4, 1, 3))
+    return tl.reshape(t, (t.shape[0], BK))
+
+
+@triton.jit
+def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr,
+                 ASM: tl.constexpr):
+    """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT
+    in the kernel's K order (`_k_order`): the weights times W_UP * 2^-SHIFT, column 2j from byte j's low
+    nibble and 2j + 1 from its high one. ASM (bf16, GPU only): `_ASM_DECODE`."""
+    if ASM:
+        f = (tl.minimum(s.to(tl.uint32) + (126 - SHIFT), 255) << 7).to(tl.uint16)
+        f = f.to(tl.bfloat16, bitcast=True)[:, :, None]
+        lo, hi = tl.inline_asm_elementwise(_ASM_DECODE, "=r,=r,=r,=r,r,r,r", [p, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        w = tl.join(lo, hi)
+    else:
+        lo, hi = _raw_lo_hi(p.to(tl.uint32))
+        f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
+        lo = lo * f
+        hi = hi * f
+        if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
+            lo = lo * W_UP
+            hi = hi * W_UP
+        w = tl.join(cvt(lo, WDT), cvt(hi, WDT))  # [BN, G, 16, 2]: exact products, exact casts
+    return _k_order(tl.reshape(w, (p.shape[0], BK // 2, 2)), BK, PERM)
 
 
 @triton.jit
@@ -102,7 +163,8 @@ def _find_tile(offs_ptr, E, t, EP: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
                stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr):
+               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
+               ASM: tl.constexpr, SWAP: tl.constexpr):
     """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
     rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
     last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
@@ -125,21 +187,39 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     p_ptrs = (P + e64 * stride_pe + ns.to(tl.int64)[:, None, None] * stride_pn + gs[None, :, None] * 16
               + tl.arange(0, 16)[None, None, :])
     s_ptrs = S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :]
-    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
-    acc = tl.zeros([BN, BM], tl.float32)
+    ds = tl.arange(0, BK)
+    if PERM == 2:  # x read in the permuted K order directly (`_k_order`: column d holds k(d))
+        ds = (BK // 4) * ((ds // 2) % 4) + 2 * (ds // 8) + ds % 2
+    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + ds[None, :]
+    if SWAP:  # acc[BM, BN] = x_tile @ W_tile^T: the decoded tile goes through shared memory
+        acc = tl.zeros([BM, BN], tl.float32)
+    else:
+        acc = tl.zeros([BN, BM], tl.float32)
     for kt in range(kt_lo, kt_hi):
         p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
         xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
+        if PERM != 2:
+            xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
-            w = _decode_tile(p, s, tl.float32, W_UP)
-            acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+            w = _decode_tile(p, s, tl.float32, W_UP, BK, PERM, False)
+            if SWAP:
+                acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
         else:
-            w = _decode_tile(p, s, xt.dtype, W_UP)
-            acc = tl.dot(w, tl.trans(xt), acc)
-    y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
+            w = _decode_tile(p, s, xt.dtype, W_UP, BK, PERM, ASM and xt.dtype == tl.bfloat16)
+            if SWAP:
+                acc = tl.dot(xt, tl.trans(w), acc)
+            else:
+                acc = tl.dot(w, tl.trans(xt), acc)
     # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
-    tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+    if SWAP:
+        y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[:, None] * stride_ym + ns[None, :]
+        tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    else:
+        y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
+        tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
 
 
 @dataclass(frozen=True)
@@ -154,6 +234,9 @@ class Mxfp4Tiles:
     warps: int
     stages: int
     split_k: int = 1
+    perm: int = 3
+    asm: bool = True
+    swap: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -163,6 +246,8 @@ class Mxfp4Tiles:
                                  f"got {v}")
         if min(self.warps, self.stages, self.split_k) < 1:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
+        if self.perm not in (0, 1, 2, 3):
+            raise ValueError(f"Mxfp4Tiles.perm must be 0, 1, 2 or 3, got {self.perm}")
 
 
 # Defaults from the tile sweep of `bench/mxfp4_gemm.py --sweep` on an H100 (k3-small and kimi-k3 expert
@@ -173,7 +258,7 @@ DECODE_TILES = Mxfp4Tiles(bm=16, bn=128, bk=128, warps=4, stages=3)
 # up to 64 rows per expert
 MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
 # prefill: every decoded weight tile feeds 256 rows
-PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3)
+PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, perm=0)
 # fewer decode programs than this leave SMs idle (an H100 has 132): narrower N tiles instead
 MIN_PROGRAMS = 128
 
@@ -218,7 +303,8 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     grid = (triton.cdiv(N, t.bn), slots, split)
     _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
                      N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
-                     W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32,
+                     W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm, ASM=t.asm,
+                     SWAP=t.swap,
                      num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
