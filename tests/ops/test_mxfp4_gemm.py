@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from k3.ops.mxfp4_gemm import mxfp4_grouped_mm  # noqa: E402
+from k3.ops.mxfp4_gemm import from_kernel_order, mxfp4_grouped_mm, to_kernel_order  # noqa: E402
 from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3.ops.mxfp4_gemm.reference import mxfp4_gmm_reference  # noqa: E402
 from k3.quant.mxfp4 import decode_mxfp4  # noqa: E402
@@ -104,7 +104,8 @@ def test_kernel_fp16_and_scale_range():
 
 
 @pytest.mark.parametrize("perm,bk,swap", [(0, 64, False), (1, 128, False), (2, 64, False), (3, 32, False),
-                                          (3, 128, False), (0, 64, True)])
+                                          (3, 128, False), (0, 64, True), (4, 64, False), (4, 128, False),
+                                          (4, 64, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_orders_decode_exactly(perm, bk, swap, dtype):
     """One-hot rows pick single weights: y[r, n] = W[n, k] exactly for every K order of the operands
@@ -115,8 +116,8 @@ def test_k_orders_decode_exactly(perm, bk, swap, dtype):
     scale = torch.randint(34, 161, (E, N, K // 32), dtype=torch.uint8, generator=g).to(DEV)
     x = torch.eye(K).repeat(E, 1).to(DEV, dtype)  # expert e gets the K one-hot rows
     offs = _offs([K] * E)
-    y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=Mxfp4Tiles(16, 16, bk, 4, 1, perm=perm, swap=swap),
-                         use_triton=True).cpu()
+    y = mxfp4_grouped_mm(x, to_kernel_order(packed) if perm == 4 else packed, scale, offs, use_triton=True,
+                         tiles=Mxfp4Tiles(16, 16, bk, 4, 1, perm=perm, swap=swap), kernel_order=perm == 4).cpu()
     for e in range(E):
         w = decode_mxfp4(packed[e].cpu(), scale[e].cpu(), dtype=torch.float32)
         assert torch.equal(y[e * K:(e + 1) * K].float(), w.t()), e

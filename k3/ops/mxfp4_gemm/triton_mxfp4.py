@@ -67,8 +67,8 @@ def _e8m0_factor(s, SHIFT: tl.constexpr):
 
 
 # bf16 decode of 4 packed bytes per asm instance (GPU): $4 = bytes b0..b3, $5 / $6 = the bf16 factors of
-# elements (0, 1) / (2, 3); out $0 / $1 = low nibbles of (b0, b1) / (b2, b3) as bf16 pairs, $2 / $3 = high
-# nibbles. prmt spreads two bytes to the two 16-bit halves; per half the nibble's magnitude bits go to bits
+# the low nibbles of elements (0, 1) / (2, 3), $7 / $8 those of the high nibbles; out $0 / $1 = low
+# nibbles of (b0, b1) / (b2, b3) as bf16 pairs, $2 / $3 = high nibbles. prmt spreads two bytes to the two 16-bit halves; per half the nibble's magnitude bits go to bits
 # 6-8 (the two lowest exponent bits and the top mantissa bit) and its sign to bit 15 by one multiply (two
 # non-overlapping copies) and one mask: the E2M1 value times 2^-126 as a bf16 (code 1 = 0.5 a subnormal,
 # which bf16 arithmetic keeps), then one bf16x2 multiply by 2^(s - 1 - SHIFT) gives the weight times
@@ -93,8 +93,8 @@ and.b32 a2, a2, 0x81C081C0;
 and.b32 a3, a3, 0x81C081C0;
 mul.rn.bf16x2 $0, a0, $5;
 mul.rn.bf16x2 $1, a1, $6;
-mul.rn.bf16x2 $2, a2, $5;
-mul.rn.bf16x2 $3, a3, $6;
+mul.rn.bf16x2 $2, a2, $7;
+mul.rn.bf16x2 $3, a3, $8;
 }
 """)
 
@@ -119,27 +119,48 @@ def _k_order(t, BK: tl.constexpr, PERM: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr,
-                 ASM: tl.constexpr):
-    """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT
-    in the kernel's K order (`_k_order`): the weights times W_UP * 2^-SHIFT, column 2j from byte j's low
-    nibble and 2j + 1 from its high one. ASM (bf16, GPU only): `_ASM_DECODE`."""
+def _bf16_factor(s):
+    """uint8 E8M0 bytes -> bf16 2^(s - 1 - SHIFT) (inf above 128 + SHIFT): `_ASM_DECODE`'s factors."""
+    return (tl.minimum(s.to(tl.uint32) + (126 - SHIFT), 255) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _lo_hi(p, f_lo, f_hi, WDT: tl.constexpr, W_UP: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes p and the E8M0 bytes of their low / high nibbles (broadcastable) -> (low, high) nibbles'
+    weights times W_UP * 2^-SHIFT in WDT (exact)."""
     if ASM:
-        f = (tl.minimum(s.to(tl.uint32) + (126 - SHIFT), 255) << 7).to(tl.uint16)
-        f = f.to(tl.bfloat16, bitcast=True)[:, :, None]
-        lo, hi = tl.inline_asm_elementwise(_ASM_DECODE, "=r,=r,=r,=r,r,r,r", [p, f],
+        lo, hi = tl.inline_asm_elementwise(_ASM_DECODE, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [p, _bf16_factor(f_lo), _bf16_factor(f_hi)],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        w = tl.join(lo, hi)
     else:
         lo, hi = _raw_lo_hi(p.to(tl.uint32))
-        f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
-        lo = lo * f
-        hi = hi * f
+        lo = lo * _e8m0_factor(f_lo.to(tl.uint32), SHIFT)
+        hi = hi * _e8m0_factor(f_hi.to(tl.uint32), SHIFT)
         if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
             lo = lo * W_UP
             hi = hi * W_UP
-        w = tl.join(cvt(lo, WDT), cvt(hi, WDT))  # [BN, G, 16, 2]: exact products, exact casts
-    return _k_order(tl.reshape(w, (p.shape[0], BK // 2, 2)), BK, PERM)
+        lo = cvt(lo, WDT)
+        hi = cvt(hi, WDT)
+    return lo, hi
+
+
+@triton.jit
+def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr,
+                 ASM: tl.constexpr):
+    """p uint8 [BN, G, 16] (16 bytes = one 32-element group; PERM 4: bytes in kernel order, `layout.py`),
+    s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT in the kernel's K order (`_k_order`; PERM 4: K in order):
+    the weights times W_UP * 2^-SHIFT. ASM (bf16, GPU only): `_ASM_DECODE`."""
+    BN: tl.constexpr = p.shape[0]
+    if PERM == 4:
+        C: tl.constexpr = BK // 64
+        s_lo, s_hi = tl.split(tl.reshape(s, (BN, C, 2)))  # chunk c's groups 2c (low nibbles), 2c + 1
+        lo, hi = _lo_hi(tl.reshape(p, (BN, C, 4, 4, 2)), s_lo[:, :, None, None, None],
+                        s_hi[:, :, None, None, None], WDT, W_UP, ASM)
+        w = tl.permute(tl.join(lo, hi), (0, 1, 5, 3, 2, 4))  # [BN, c, q, j, t, h] -> [BN, c, h, j, q, t]
+        return tl.reshape(w, (BN, BK))
+    lo, hi = _lo_hi(p, s[:, :, None], s[:, :, None], WDT, W_UP, ASM)
+    w = tl.join(lo, hi)  # [BN, G, 16, 2]: column 2j from byte j's low nibble, 2j + 1 from its high one
+    return _k_order(tl.reshape(w, (BN, BK // 2, 2)), BK, PERM)
 
 
 @triton.jit
@@ -199,7 +220,7 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
         p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
         xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
-        if PERM != 2:
+        if PERM != 2 and PERM != 4:
             xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
             w = _decode_tile(p, s, tl.float32, W_UP, BK, PERM, False)
@@ -246,8 +267,10 @@ class Mxfp4Tiles:
                                  f"got {v}")
         if min(self.warps, self.stages, self.split_k) < 1:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
-        if self.perm not in (0, 1, 2, 3):
-            raise ValueError(f"Mxfp4Tiles.perm must be 0, 1, 2 or 3, got {self.perm}")
+        if self.perm not in (0, 1, 2, 3, 4):
+            raise ValueError(f"Mxfp4Tiles.perm must be 0 .. 4, got {self.perm}")
+        if self.perm == 4 and self.bk < 64:
+            raise ValueError(f"Mxfp4Tiles: perm 4 (kernel-order bytes) needs bk >= 64, got {self.bk}")
 
 
 # Defaults from the tile sweep of `bench/mxfp4_gemm.py --sweep` on an H100 (k3-small and kimi-k3 expert
@@ -287,12 +310,19 @@ def _fit_bk(bk: int, K: int) -> int:
 
 
 def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                     tiles: Mxfp4Tiles | None = None) -> torch.Tensor:
+                     tiles: Mxfp4Tiles | None = None, kernel_order: bool = False) -> torch.Tensor:
     """See `k3.ops.mxfp4_gemm.mxfp4_grouped_mm` (arguments checked there)."""
     S, K = x.shape
     E, N = packed.shape[:2]
     t = tiles or pick_tiles(S, E, N, K)
+    if kernel_order != (t.perm == 4):
+        if tiles is not None:
+            raise ValueError(f"tiles.perm must be 4 exactly for kernel-order bytes (kernel_order={kernel_order}), "
+                             f"got {t.perm}")
+        t = dataclasses.replace(t, perm=4 if kernel_order else 3, bk=max(t.bk, 64))
     bk = _fit_bk(t.bk, K)
+    if t.perm == 4 and (bk < 64 or K % 64):
+        raise ValueError(f"kernel-order bytes need K a multiple of 64, got K = {K}")
     split = max(1, min(t.split_k, K // bk))
     x = x if x.stride(1) == 1 else x.contiguous()
     y = torch.empty(S, N, dtype=x.dtype, device=x.device)
