@@ -109,17 +109,15 @@ def candidates(rows: int, E: int) -> list:
     from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles as T
 
     if rows <= 16 * E:
-        return [T(16, 128, 128, 4, 3, perm=0, asm=False), T(16, 128, 128, 4, 3, perm=0, asm=True),
-                T(16, 128, 128, 4, 3, perm=3, asm=False), T(16, 128, 256, 4, 3), T(16, 64, 256, 4, 3),
-                T(16, 128, 128, 4, 4), T(16, 256, 128, 8, 3), T(16, 128, 128, 4, 3, perm=4),
-                T(16, 128, 256, 4, 3, perm=4)]
+        return [T(16, 64, 128, 4, 3), T(16, 64, 256, 4, 3), T(16, 128, 128, 4, 4),
+                T(16, 256, 128, 8, 3), T(16, 128, 128, 4, 3, perm=4), T(16, 64, 128, 4, 3, perm=4)]
     if rows <= 64 * E:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
                 [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
-    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 128, 8, 2, perm=0), T(128, 128, 64, 8, 3, perm=0),
-            T(128, 256, 64, 8, 3, perm=0), T(128, 256, 64, 8, 3, perm=0, swap=True),
-            T(128, 128, 64, 8, 3, perm=0, swap=True), T(256, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4),
-            T(128, 128, 64, 8, 3, perm=4), T(256, 128, 128, 8, 2, perm=4), T(128, 128, 64, 8, 3, perm=4, swap=True)]
+    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4),
+            T(128, 128, 64, 8, 3, perm=4), T(256, 128, 128, 8, 2, perm=4), T(128, 128, 64, 8, 3, perm=0, bm_tail=32),
+            T(128, 128, 64, 8, 3, perm=4, bm_tail=32), T(128, 128, 64, 8, 3, perm=4, bm_tail=64),
+            T(128, 256, 64, 8, 3, perm=4, bm_tail=32)]
 
 
 def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
@@ -251,7 +249,7 @@ def sass_row(label: str, t) -> str:
     aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False,
-                  PERM=t.perm, ASM=t.asm, SWAP=t.swap)
+                  PERM=t.perm, ASM=t.asm, BM_TAIL=t.bm_tail)
     sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
     src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})

@@ -104,15 +104,11 @@ def _k_order(t, BK: tl.constexpr, PERM: tl.constexpr):
     """t [R, BK / 2, 2] (K in order: byte j's two columns 2j, 2j + 1) -> [R, BK] in the kernel's K order
     (any permutation of K applied to both operands leaves the dot unchanged). In the wgmma register operand
     a thread holds columns 2q, 2q + 1 (one 32-bit register) plus multiples of 8 (q = lane % 4).
-    PERM 0: K in order: the thread's bytes are every fourth byte.
-    PERM 1: K = (q, m, h) [4, BK / 8, 2] -> (m, q, h): the thread's bytes are BK / 8 consecutive ones.
-    PERM 2: as 1 (x read in that order by its pointers instead of permuted in registers).
-    PERM 3: K = (q, j, t, h) [4, BK / 16, 2, 2] -> (j, h, q, t): consecutive bytes as in 1, and a
-    register pair holds the same nibble of two consecutive bytes (what `_ASM_DECODE` produces)."""
-    if PERM == 1 or PERM == 2:
-        t = tl.reshape(t, (t.shape[0], 4, BK // 8, 2))
-        t = tl.permute(t, (0, 2, 1, 3))
-    elif PERM == 3:
+    PERM 0: K in order: the thread's bytes are every fourth byte (one narrow load each).
+    PERM 3: K = (q, j, t, h) [4, BK / 16, 2, 2] -> (j, h, q, t): the thread's bytes are BK / 8 consecutive
+    ones (one wide load), and a register pair holds the same nibble of two consecutive bytes (what
+    `_ASM_DECODE` produces, so no shuffles)."""
+    if PERM == 3:
         t = tl.reshape(t, (t.shape[0], 4, BK // 16, 2, 2))
         t = tl.permute(t, (0, 2, 4, 1, 3))
     return tl.reshape(t, (t.shape[0], BK))
@@ -182,16 +178,10 @@ def _find_tile(offs_ptr, E, t, EP: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
-               stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
-               ASM: tl.constexpr, SWAP: tl.constexpr):
-    """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
-    rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
-    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
-    pn = tl.program_id(0)
-    e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
-    ks = tl.program_id(2)
+def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+          stride_se, stride_sn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_UP: tl.constexpr,
+          Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr):
+    """Rows m0 .. min(m0 + BM, r1) - 1 of expert e times N tile pn over K split ks (`_mxfp4_gmm`)."""
     # this program's K tiles (loop over tile indices: offsets are constant multiples, so the compiler
     # knows their alignment and vectorises the loads)
     kt_all = K // BK
@@ -208,39 +198,43 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
     p_ptrs = (P + e64 * stride_pe + ns.to(tl.int64)[:, None, None] * stride_pn + gs[None, :, None] * 16
               + tl.arange(0, 16)[None, None, :])
     s_ptrs = S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :]
-    ds = tl.arange(0, BK)
-    if PERM == 2:  # x read in the permuted K order directly (`_k_order`: column d holds k(d))
-        ds = (BK // 4) * ((ds // 2) % 4) + 2 * (ds // 8) + ds % 2
-    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + ds[None, :]
-    if SWAP:  # acc[BM, BN] = x_tile @ W_tile^T: the decoded tile goes through shared memory
-        acc = tl.zeros([BM, BN], tl.float32)
-    else:
-        acc = tl.zeros([BN, BM], tl.float32)
+    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BN, BM], tl.float32)
     for kt in range(kt_lo, kt_hi):
         p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
         xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
-        if PERM != 2 and PERM != 4:
+        if PERM != 4:  # kernel-order bytes are decoded in K order
             xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
             w = _decode_tile(p, s, tl.float32, W_UP, BK, PERM, False)
-            if SWAP:
-                acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
         else:
             w = _decode_tile(p, s, xt.dtype, W_UP, BK, PERM, ASM and xt.dtype == tl.bfloat16)
-            if SWAP:
-                acc = tl.dot(xt, tl.trans(w), acc)
-            else:
-                acc = tl.dot(w, tl.trans(xt), acc)
+            acc = tl.dot(w, tl.trans(xt), acc)
+    y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
     # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
-    if SWAP:
-        y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[:, None] * stride_ym + ns[None, :]
-        tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+               stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
+               ASM: tl.constexpr, BM_TAIL: tl.constexpr):
+    """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
+    rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
+    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits).
+    A tile of at most BM_TAIL rows (an expert's last; 0 = never) runs with BM_TAIL-row MMAs instead."""
+    pn = tl.program_id(0)
+    e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
+    ks = tl.program_id(2)
+    if BM_TAIL > 0 and r1 - m0 <= BM_TAIL:
+        _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+              stride_se, stride_sn, BM_TAIL, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
     else:
-        y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
-        tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+        _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+              stride_se, stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
 
 
 @dataclass(frozen=True)
@@ -257,7 +251,7 @@ class Mxfp4Tiles:
     split_k: int = 1
     perm: int = 3
     asm: bool = True
-    swap: bool = False
+    bm_tail: int = 0
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -267,8 +261,10 @@ class Mxfp4Tiles:
                                  f"got {v}")
         if min(self.warps, self.stages, self.split_k) < 1:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
-        if self.perm not in (0, 1, 2, 3, 4):
-            raise ValueError(f"Mxfp4Tiles.perm must be 0 .. 4, got {self.perm}")
+        if self.perm not in (0, 3, 4):
+            raise ValueError(f"Mxfp4Tiles.perm must be 0, 3 or 4, got {self.perm}")
+        if self.bm_tail and (self.bm_tail < 16 or self.bm_tail & (self.bm_tail - 1) or self.bm_tail >= self.bm):
+            raise ValueError(f"Mxfp4Tiles.bm_tail must be 0 or a power of two in [16, bm), got {self.bm_tail}")
         if self.perm == 4 and self.bk < 64:
             raise ValueError(f"Mxfp4Tiles: perm 4 (kernel-order bytes) needs bk >= 64, got {self.bk}")
 
@@ -288,8 +284,8 @@ MIN_PROGRAMS = 128
 
 def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
     """Tiles by rows per expert (host values only: S, E and the weight shape). At decode the N tile is
-    halved (down to 32) while the (N tiles x active experts) grid is smaller than MIN_PROGRAMS: the
-    sweep's winners for small N (k3-small: 64 at N = 1024, 32 at N = 512, one token)."""
+    halved (down to 64: wgmma's M) while the (N tiles x active experts) grid is smaller than MIN_PROGRAMS
+    (k3-small at one token: 64 for N = 1024 and 512)."""
     per_expert = rows / max(experts, 1)
     if per_expert > 64:
         return PREFILL_TILES
@@ -297,7 +293,7 @@ def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
         return MID_TILES
     t = DECODE_TILES
     bn = t.bn
-    while bn > 32 and triton.cdiv(n, bn) * max(1, min(experts, rows)) < MIN_PROGRAMS:
+    while bn > 64 and triton.cdiv(n, bn) * max(1, min(experts, rows)) < MIN_PROGRAMS:
         bn //= 2
     return t if bn == t.bn else dataclasses.replace(t, bn=bn)
 
@@ -334,7 +330,7 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
                      N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
                      W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm, ASM=t.asm,
-                     SWAP=t.swap,
+                     BM_TAIL=t.bm_tail,
                      num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
