@@ -115,7 +115,7 @@ def candidates(rows: int, E: int) -> list:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
                 [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
     return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4),
-            T(128, 128, 64, 8, 3, perm=4), T(256, 128, 128, 8, 2, perm=4), T(128, 128, 64, 8, 3, perm=0, bm_tail=32),
+            T(128, 128, 64, 8, 3, perm=4), T(128, 128, 64, 8, 3, perm=0, bm_tail=32),
             T(128, 128, 64, 8, 3, perm=4, bm_tail=32), T(128, 128, 64, 8, 3, perm=4, bm_tail=64),
             T(128, 256, 64, 8, 3, perm=4, bm_tail=32), T(64, 64, 128, 4, 2, perm=0, resident=True),
             T(32, 64, 128, 4, 3, perm=0, resident=True), T(64, 64, 128, 8, 2, perm=0, resident=True)]
