@@ -114,11 +114,10 @@ def candidates(rows: int, E: int) -> list:
     if rows <= 64 * E:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
                 [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
-    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4),
-            T(128, 128, 64, 8, 3, perm=4), T(128, 128, 64, 8, 3, perm=0, bm_tail=32),
-            T(128, 128, 64, 8, 3, perm=4, bm_tail=32), T(128, 128, 64, 8, 3, perm=4, bm_tail=64),
-            T(128, 256, 64, 8, 3, perm=4, bm_tail=32), T(64, 64, 128, 4, 2, perm=0, resident=True),
-            T(32, 64, 128, 4, 3, perm=0, resident=True), T(64, 64, 128, 8, 2, perm=0, resident=True)]
+    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(256, 128, 64, 8, 4, perm=4),
+            T(256, 128, 128, 8, 2, perm=4), T(256, 64, 64, 4, 3, perm=4), T(128, 128, 64, 8, 3, perm=4),
+            T(128, 128, 64, 8, 4, perm=4), T(128, 128, 64, 8, 3, perm=4, bm_tail=32),
+            T(128, 256, 64, 8, 3, perm=4, bm_tail=32)]
 
 
 def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
@@ -128,7 +127,7 @@ def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[floa
     out = []
     packed_k = to_kernel_order(packed) if packed.shape[2] % 32 == 0 else None
     for t in candidates(x.shape[0], packed.shape[0]):
-        if (t.perm == 4 and packed_k is None) or (t.resident and x.shape[1] > 4 * t.bk):
+        if t.perm == 4 and packed_k is None:
             continue
         fn = lambda: mxfp4_grouped_mm(x, packed_k if t.perm == 4 else packed, scale, offs, tiles=t,  # noqa: E731
                                       kernel_order=t.perm == 4)

@@ -27,16 +27,35 @@ def _bytes(nib: torch.Tensor, lead: torch.Size) -> torch.Tensor:
     return (nib[..., 0] | (nib[..., 1] << 4)).reshape(*lead, -1)
 
 
+def _per_matrix(fn, packed: torch.Tensor) -> torch.Tensor:
+    """fn over packed[i] one leading index at a time (the nibble temporaries of a whole [E, N, K/2]
+    stack would take 4x its memory)."""
+    if packed.dim() <= 2:
+        return fn(packed)
+    out = torch.empty_like(packed)
+    for i in range(packed.shape[0]):
+        out[i] = _per_matrix(fn, packed[i])
+    return out
+
+
 def to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] in the official layout -> the same shape in kernel order (module docstring)."""
+    return _per_matrix(_to_kernel_order, packed)
+
+
+def from_kernel_order(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_kernel_order`."""
+    return _per_matrix(_from_kernel_order, packed)
+
+
+def _to_kernel_order(packed: torch.Tensor) -> torch.Tensor:
     lead, n = packed.shape[:-1], len(packed.shape) - 1
     w = _nibbles(packed).reshape(*lead, -1, 2, 4, 4, 2)  # weight 64c + 32h + 8j + 2q + t: [c, h, j, q, t]
     w = w.permute(*range(n + 1), n + 3, n + 2, n + 4, n + 1)  # [c, q, j, t, h]
     return _bytes(w.contiguous(), lead)
 
 
-def from_kernel_order(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `to_kernel_order`."""
+def _from_kernel_order(packed: torch.Tensor) -> torch.Tensor:
     lead, n = packed.shape[:-1], len(packed.shape) - 1
     w = _nibbles(packed).reshape(*lead, -1, 4, 4, 2, 2)  # [c, q, j, t, h]
     w = w.permute(*range(n + 1), n + 4, n + 2, n + 1, n + 3)  # [c, h, j, q, t]: weights in order

@@ -237,72 +237,6 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
               stride_se, stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
 
 
-@triton.jit
-def _w_chunk(P, S, e64, ns, nmask, c, stride_pe, stride_pn, stride_se, stride_sn, WDT: tl.constexpr,
-             W_UP: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr):
-    """The decoded [BN, BK] weight tile of expert e64, rows ns, K tile c (`_decode_tile`)."""
-    G: tl.constexpr = BK // 32
-    gs = c * G + tl.arange(0, G)
-    p = tl.load(P + e64 * stride_pe + ns.to(tl.int64)[:, None, None] * stride_pn + gs[None, :, None] * 16
-                + tl.arange(0, 16)[None, None, :], mask=nmask[:, None, None], other=0)
-    s = tl.load(S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :], mask=nmask[:, None],
-                other=127)
-    return _decode_tile(p, s, WDT, W_UP, BK, PERM, ASM)
-
-
-@triton.jit
-def _x_dot(acc, w, X, ms, mmask, c, stride_xm, BM: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr,
-           F32: tl.constexpr):
-    """acc + w @ x[ms, K tile c]^T."""
-    xt = tl.load(X + ms.to(tl.int64)[:, None] * stride_xm + c * BK + tl.arange(0, BK)[None, :],
-                 mask=mmask[:, None], other=0.0)
-    if PERM != 4:
-        xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
-    if F32:
-        return tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(w, tl.trans(xt), acc)
-
-
-@triton.jit
-def _mxfp4_gmm_resident(X, P, S, Y, offs_ptr, N, stride_xm, stride_ym, stride_pe, stride_pn, stride_se,
-                        stride_sn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr,
-                        W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
-                        ASM: tl.constexpr):
-    """Short K (K = NK * BK, NK <= 4): each program decodes its expert's [BN, K] weight slab once, keeps
-    it in registers (the wgmma operand) and runs over all of the expert's rows in BM-row tiles, so the
-    decode is paid once per (expert, N tile) however many rows the expert has. Grid: (cdiv(N, BN), E)."""
-    pn = tl.program_id(0)
-    e = tl.program_id(1)
-    r1 = tl.load(offs_ptr + e)
-    r0 = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
-    ns = pn * BN + tl.arange(0, BN)
-    nmask = ns < N
-    F32: tl.constexpr = F32_DOT or INTERPRETED
-    WDT: tl.constexpr = tl.float32 if F32 else X.dtype.element_ty
-    A: tl.constexpr = ASM and not F32 and X.dtype.element_ty == tl.bfloat16
-    e64 = e.to(tl.int64)
-    w0 = _w_chunk(P, S, e64, ns, nmask, 0, stride_pe, stride_pn, stride_se, stride_sn, WDT, W_UP, BK, PERM, A)
-    if NK > 1:
-        w1 = _w_chunk(P, S, e64, ns, nmask, 1, stride_pe, stride_pn, stride_se, stride_sn, WDT, W_UP, BK, PERM, A)
-    if NK > 2:
-        w2 = _w_chunk(P, S, e64, ns, nmask, 2, stride_pe, stride_pn, stride_se, stride_sn, WDT, W_UP, BK, PERM, A)
-    if NK > 3:
-        w3 = _w_chunk(P, S, e64, ns, nmask, 3, stride_pe, stride_pn, stride_se, stride_sn, WDT, W_UP, BK, PERM, A)
-    for m0 in range(r0, r1, BM):
-        ms = m0 + tl.arange(0, BM)
-        mmask = ms < r1
-        acc = tl.zeros([BN, BM], tl.float32)
-        acc = _x_dot(acc, w0, X, ms, mmask, 0, stride_xm, BM, BK, PERM, F32)
-        if NK > 1:
-            acc = _x_dot(acc, w1, X, ms, mmask, 1, stride_xm, BM, BK, PERM, F32)
-        if NK > 2:
-            acc = _x_dot(acc, w2, X, ms, mmask, 2, stride_xm, BM, BK, PERM, F32)
-        if NK > 3:
-            acc = _x_dot(acc, w3, X, ms, mmask, 3, stride_xm, BM, BK, PERM, F32)
-        y_ptrs = Y + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
-        tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
-
-
 @dataclass(frozen=True)
 class Mxfp4Tiles:
     """Tile shape and launch parameters. bm: rows per tile (>= 16), bn: weight rows (output columns) per
@@ -318,7 +252,6 @@ class Mxfp4Tiles:
     perm: int = 3
     asm: bool = True
     bm_tail: int = 0
-    resident: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -389,13 +322,6 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     up = float(2 ** SHIFT_BITS)
     w_up, y_up = (up, 1.0) if x.dtype == torch.float16 else (1.0, up)
-    if t.resident and K <= 4 * bk:
-        y = torch.empty(S, N, dtype=x.dtype, device=x.device)
-        _mxfp4_gmm_resident[(triton.cdiv(N, t.bn), E)](
-            x, packed, scale, y, offs, N, x.stride(0), N, N * (K // 2), K // 2, N * (K // 32), K // 32, BM=t.bm,
-            BN=t.bn, BK=bk, NK=K // bk, W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm,
-            ASM=t.asm, num_warps=t.warps, num_stages=t.stages)
-        return y
     split = max(1, min(t.split_k, K // bk))
     y = torch.empty(S, N, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty(split, S, N, dtype=torch.float32, device=x.device)
