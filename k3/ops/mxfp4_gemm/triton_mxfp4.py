@@ -1,29 +1,38 @@
 """Grouped GEMM over expert-sorted rows with MXFP4 weights dequantised in registers (Triton).
 
-y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (official layout, k3.quant.mxfp4).
-Hopper has no FP4 tensor cores, so each program loads a [BN, BK/2] tile of packed bytes (16-byte rows of
-one 32-element group each) plus its [BN, BK/32] E8M0 bytes, expands them once per tile to a [BN, BK] tile
-in the activation dtype (`_decode_tile`: low / high nibbles interleaved by tl.join, so x is read
-contiguously and one tl.dot covers the K tile) and multiplies it against the [BM, BK] row tile.
+y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (k3.quant.mxfp4; bytes in the
+official layout or in the kernel order of `layout.py`). Hopper has no FP4 tensor cores, so each program
+loads a [BN, BK/2] tile of packed bytes plus its [BN, BK/32] E8M0 bytes, expands them once per tile to
+a [BN, BK] tile in the activation dtype (`_decode_tile`) and multiplies it against the [BM, BK] row tile.
 
 The product is computed transposed, acc[BN, BM] = W_tile @ x_tile^T: the weight tile is the left operand
 (Hopper's wgmma takes it from registers, where it was decoded; its M >= 64 is filled by BN) and the rows are
 the small right operand, so decode with one row per expert wastes no MMA width on padding rows.
 
+Decode (bf16 activations on the GPU, `_ASM_DECODE`): per 4 bytes two prmt, then per pair of nibbles one
+and / multiply / and places the E2M1 bits straight into a bf16 pair and one bf16x2 multiply applies the
+group's scale: ~2.25 instructions per weight. Which columns land in which register is set by the K order
+(`_k_order`; both operands permuted alike, so the dot is unchanged): the wgmma fragment of lane q holds
+columns 2q, 2q + 1 (+ multiples of 8). PERM 3 permutes K so that those come from BK / 8 consecutive
+bytes (one wide shared-memory load) and a register pair is what the asm produces (no shuffles), at the
+cost of permuting the x tile through registers (cheap at decode's 16 rows, not at prefill's 256);
+PERM 0 keeps K in order (x copied straight to shared memory; the weight bytes are read one by one);
+PERM 4 reads bytes stored in the kernel order (`layout.to_kernel_order`, how `RoutedExperts` keeps
+them): both advantages, no permutation of x.
+
 Exactness: an E2M1 value times a power of two is exact in bf16 / fp32 as long as it stays a normal number.
-Tiles are decoded in fp32 as W * 2^-SHIFT (`_raw_lo_hi` times one factor per 32-element group) and cast
-to the activation dtype; for bf16 / fp32 the fp32 accumulator is multiplied by 2^SHIFT at the store
-(exact). With SHIFT = 32 every E8M0 byte s in [2 + SHIFT, 128 + SHIFT] = [34, 160] -- block scales
+Tiles are decoded as W * 2^-SHIFT; for bf16 / fp32 the fp32 accumulator is multiplied by 2^SHIFT at the
+store (exact). With SHIFT = 32 every E8M0 byte s in [2 + SHIFT, 128 + SHIFT] = [34, 160] -- block scales
 2^-93 .. 2^33, far beyond any trained weight -- decodes exactly (larger bytes give inf, smaller ones lose
-low bits as subnormals). fp16 activations multiply the tile back by 2^SHIFT before the cast (the
-weights must lie in fp16's range to be exact: |W| in [2^-14, 65504]).
+low bits as subnormals). fp32 / fp16 activations decode in fp32 (`_raw_lo_hi`); fp16 multiplies the tile
+back by 2^SHIFT before the cast (the weights must lie in fp16's range to be exact: |W| in [2^-14, 65504]).
 
 Scheduling (CUDA-graph friendly: no host reads of the routing): grid (N tiles, row-tile slots, K splits).
 Row tile t is the t-th BM-row tile over all experts in order (expert e has cdiv(rows_e, BM) of them); each
 program finds its expert by a prefix sum over `offs` (E <= a few thousand: one vector op). The host sizes
 the grid by the bound cdiv(S, BM) + min(E, S) on the number of row tiles; slots past the last tile and
 experts without rows cost a program that exits after the search. So each decoded weight tile feeds BM rows
-(prefill: BM = 128), and decode (BM = 16, one tile per active expert) streams each active expert's weights
+(prefill: BM = 256), and decode (BM = 16, one tile per active expert) streams each active expert's weights
 once. With K splits > 1 each program sums a K range into an fp32 partial [split, S, N]; the host adds the
 partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are not written.
 """
