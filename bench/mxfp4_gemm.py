@@ -116,17 +116,13 @@ def candidates(rows: int, E: int) -> list:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
                 [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
     return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(256, 128, 64, 8, 4, perm=4),
-            T(256, 128, 128, 8, 2, perm=4), T(256, 64, 64, 4, 3, perm=4), T(128, 128, 64, 8, 3, perm=4),
-            T(128, 128, 64, 8, 4, perm=4), T(128, 128, 64, 8, 3, perm=4, bm_tail=32),
-            T(128, 256, 64, 8, 3, perm=4, bm_tail=32)]
+            T(128, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4)]
 
 
-def sweep(x, packed, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
-    """(ms, tiles) of each candidate that runs and agrees with y_ref, fastest first."""
-    from k3.ops.mxfp4_gemm import to_kernel_order
-
+def sweep(x, packed, packed_k, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
+    """(ms, tiles) of each candidate that runs and agrees with y_ref, fastest first (packed_k: the bytes in
+    kernel order for perm-4 candidates, None to skip those)."""
     out = []
-    packed_k = to_kernel_order(packed) if packed.shape[2] % 32 == 0 else None
     for t in candidates(x.shape[0], packed.shape[0]):
         if t.perm == 4 and packed_k is None:
             continue
@@ -185,7 +181,7 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
                     f"{err:.1e} |")
         print(rows[-1], flush=True)
         if do_sweep:
-            res = sweep(x, packed, scale, offs, y_ref, reps, dev)
+            res = sweep(x, packed, packed_k if ko else None, scale, offs, y_ref, reps, dev)
             for ms, t in res:
                 print(f"#   {ms:.4f} ms ({t_ref / ms:.2f}x bf16)  {t}", flush=True)
             if res:
@@ -255,7 +251,7 @@ def sass_row(label: str, t) -> str:
     aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False,
-                  PERM=t.perm, ASM=t.asm, BM_TAIL=t.bm_tail)
+                  PERM=t.perm, ASM=t.asm)
     sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
     src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})

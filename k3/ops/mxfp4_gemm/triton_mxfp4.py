@@ -230,20 +230,15 @@ def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, 
 def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
                stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
-               ASM: tl.constexpr, BM_TAIL: tl.constexpr):
+               ASM: tl.constexpr):
     """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
     rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
-    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits).
-    A tile of at most BM_TAIL rows (an expert's last; 0 = never) runs with BM_TAIL-row MMAs instead."""
+    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
     pn = tl.program_id(0)
     e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
     ks = tl.program_id(2)
-    if BM_TAIL > 0 and r1 - m0 <= BM_TAIL:
-        _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
-              stride_se, stride_sn, BM_TAIL, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
-    else:
-        _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
-              stride_se, stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+    _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn, stride_se,
+          stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
 
 
 @dataclass(frozen=True)
@@ -260,7 +255,6 @@ class Mxfp4Tiles:
     split_k: int = 1
     perm: int = 3
     asm: bool = True
-    bm_tail: int = 0
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -272,8 +266,6 @@ class Mxfp4Tiles:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
         if self.perm not in (0, 3, 4):
             raise ValueError(f"Mxfp4Tiles.perm must be 0, 3 or 4, got {self.perm}")
-        if self.bm_tail and (self.bm_tail < 16 or self.bm_tail & (self.bm_tail - 1) or self.bm_tail >= self.bm):
-            raise ValueError(f"Mxfp4Tiles.bm_tail must be 0 or a power of two in [16, bm), got {self.bm_tail}")
         if self.perm == 4 and self.bk < 64:
             raise ValueError(f"Mxfp4Tiles: perm 4 (kernel-order bytes) needs bk >= 64, got {self.bk}")
 
@@ -339,7 +331,6 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
                      N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
                      W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm, ASM=t.asm,
-                     BM_TAIL=t.bm_tail,
                      num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
