@@ -110,7 +110,7 @@ def candidates(rows: int, E: int) -> list:
     from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles as T
 
     if rows <= 16 * E:
-        return [T(16, 64, 128, 4, 3), T(16, 64, 256, 4, 3), T(16, 128, 128, 4, 4),
+        return [T(16, 128, 128, 4, 3, perm=0, asm=False), T(16, 64, 128, 4, 3), T(16, 64, 256, 4, 3), T(16, 128, 128, 4, 4),
                 T(16, 256, 128, 8, 3), T(16, 128, 128, 4, 3, perm=4), T(16, 64, 128, 4, 3, perm=4)]
     if rows <= 64 * E:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
