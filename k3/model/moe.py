@@ -13,7 +13,7 @@ from k3.model.fused import EAGER, Kernels, route_slots
 from k3.model.step_weights import StepCache, StepLinear, step_weight
 from k3.ops.grouped_gemm import expert_gemm
 from k3.ops.backend import triton_runs_on
-from k3.ops.mxfp4_gemm import mxfp4_grouped_mm
+from k3.ops.mxfp4_gemm import from_kernel_order, mxfp4_grouped_mm, to_kernel_order
 from k3.quant.mxfp4 import decode_mxfp4, encode_mxfp4, encode_mxfp4_reuse
 
 
@@ -67,6 +67,9 @@ class RoutedExperts(nn.Module):
         # Serving storage (`pack_mxfp4`): w13_packed / w2_packed uint8 + E8M0 scales instead of w1 / w3 / w2.
         self.packed = False
         self.packed_dtype = torch.float32
+        # whether the packed bytes are in the MXFP4 kernel's byte order (k3.ops.mxfp4_gemm.layout: both
+        # GEMMs' K a multiple of 64) rather than the official one
+        self.kernel_order = False
         # Set by K3ForCausalLM.step_weights() for one optimizer step: the (w13, w2) compute copies shared by
         # the step's micro-batches (see _train_weights).
         self.step_cache: StepCache | None = None
@@ -75,9 +78,11 @@ class RoutedExperts(nn.Module):
         """(w1, w3, w2) as the GEMMs use them: through `weight_transform`, or decoded from the packed
         MXFP4 storage (exact, in `packed_dtype`)."""
         if self.packed:
-            w13 = decode_mxfp4(self.w13_packed, self.w13_scale, dtype=self.packed_dtype)
-            w1, w3 = w13.chunk(2, dim=1)
-            return w1, w3, decode_mxfp4(self.w2_packed, self.w2_scale, dtype=self.packed_dtype)
+            w13p, w2p = self.w13_packed, self.w2_packed
+            if self.kernel_order:
+                w13p, w2p = from_kernel_order(w13p), from_kernel_order(w2p)
+            w1, w3 = decode_mxfp4(w13p, self.w13_scale, dtype=self.packed_dtype).chunk(2, dim=1)
+            return w1, w3, decode_mxfp4(w2p, self.w2_scale, dtype=self.packed_dtype)
         f = self.weight_transform
         return (self.w1, self.w3, self.w2) if f is None else (f(self.w1), f(self.w3), f(self.w2))
 
@@ -89,7 +94,9 @@ class RoutedExperts(nn.Module):
         Weights on the MXFP4 grid (an MXFP4 checkpoint, a QAT model's fake-quantised masters) are kept
         exactly; others are rounded by the OCP rule (post-training quantisation). `scales` ("w1", "w3",
         "w2" -> uint8 [E, out, in/32], e.g. a loaded checkpoint's) are reused where they encode a block
-        exactly. Decoding happens in the dtype the weights had (`packed_dtype`)."""
+        exactly. Decoding happens in the dtype the weights had (`packed_dtype`). Where both matrices' input
+        dims are multiples of 64 the bytes are kept in the MXFP4 kernel's order (`kernel_order`,
+        k3.ops.mxfp4_gemm.layout: the same bytes permuted, which the CUDA kernel reads fastest)."""
         if self.packed:
             return
         scales = scales or {}
@@ -104,9 +111,13 @@ class RoutedExperts(nn.Module):
             self.packed_dtype = self.w1.dtype
         for n in ("w1", "w3", "w2"):
             self._parameters[n] = None
-        self.register_buffer("w13_packed", torch.cat([enc["w1"][0], enc["w3"][0]], dim=1))
+        w13p, w2p = torch.cat([enc["w1"][0], enc["w3"][0]], dim=1), enc["w2"][0]
+        self.kernel_order = w13p.shape[-1] % 32 == 0 and w2p.shape[-1] % 32 == 0  # K = 2 x bytes
+        if self.kernel_order:
+            w13p, w2p = to_kernel_order(w13p), to_kernel_order(w2p)
+        self.register_buffer("w13_packed", w13p)
         self.register_buffer("w13_scale", torch.cat([enc["w1"][1], enc["w3"][1]], dim=1))
-        self.register_buffer("w2_packed", enc["w2"][0])
+        self.register_buffer("w2_packed", w2p)
         self.register_buffer("w2_scale", enc["w2"][1])
         self.packed = True
 
@@ -115,9 +126,9 @@ class RoutedExperts(nn.Module):
 
     def _packed_cuda(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Serving on CUDA from packed storage: the MXFP4 grouped GEMMs dequantise in registers."""
-        ab = mxfp4_grouped_mm(xs, self.w13_packed, self.w13_scale, offs)
+        ab = mxfp4_grouped_mm(xs, self.w13_packed, self.w13_scale, offs, kernel_order=self.kernel_order)
         h = self._transform_input(self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin))
-        return mxfp4_grouped_mm(h, self.w2_packed, self.w2_scale, offs)
+        return mxfp4_grouped_mm(h, self.w2_packed, self.w2_scale, offs, kernel_order=self.kernel_order)
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """z: [N, L]; idx, w: [N, k] -> sum_k w * round_to_dtype(E_idx(z)) accumulated in fp32, [N, L] in the

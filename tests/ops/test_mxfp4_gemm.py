@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from k3.ops.mxfp4_gemm import mxfp4_grouped_mm  # noqa: E402
+from k3.ops.mxfp4_gemm import from_kernel_order, mxfp4_grouped_mm, to_kernel_order  # noqa: E402
 from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3.ops.mxfp4_gemm.reference import mxfp4_gmm_reference  # noqa: E402
 from k3.quant.mxfp4 import decode_mxfp4  # noqa: E402
@@ -103,6 +103,24 @@ def test_kernel_fp16_and_scale_range():
             assert torch.allclose(y.float(), want16.float(), rtol=torch.finfo(dtype).eps, atol=0), dtype
 
 
+@pytest.mark.parametrize("perm,bk", [(0, 64), (3, 32), (3, 128), (4, 64), (4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_orders_decode_exactly(perm, bk, dtype):
+    """One-hot rows pick single weights: y[r, n] = W[n, k] exactly for every K order of the operands
+    (bf16: the GPU's asm decode where it runs), over the whole exact scale range (E8M0 bytes 34..160)."""
+    g = torch.Generator().manual_seed(4)
+    E, N, K = 2, 16, 128
+    packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=g).to(DEV)
+    scale = torch.randint(34, 161, (E, N, K // 32), dtype=torch.uint8, generator=g).to(DEV)
+    x = torch.eye(K).repeat(E, 1).to(DEV, dtype)  # expert e gets the K one-hot rows
+    offs = _offs([K] * E)
+    y = mxfp4_grouped_mm(x, to_kernel_order(packed) if perm == 4 else packed, scale, offs, use_triton=True,
+                         tiles=Mxfp4Tiles(16, 16, bk, 4, 1, perm=perm), kernel_order=perm == 4).cpu()
+    for e in range(E):
+        w = decode_mxfp4(packed[e].cpu(), scale[e].cpu(), dtype=torch.float32)
+        assert torch.equal(y[e * K:(e + 1) * K].float(), w.t()), e
+
+
 def test_pick_tiles():
     """Decode tiles at a few rows per expert (narrower N tiles while the grid is small), larger row
     tiles with more rows."""
@@ -110,7 +128,7 @@ def test_pick_tiles():
 
     assert pick_tiles(16, 896, 6144, 3584) == DECODE_TILES  # kimi-k3 batch 1: 16 experts x 96 N tiles
     assert pick_tiles(8, 64, 1024, 512).bn == 64  # k3-small w13 batch 1: 8 experts x 16 N tiles of 64
-    assert pick_tiles(8, 64, 512, 512).bn == 32  # k3-small w2 batch 1
+    assert pick_tiles(8, 64, 512, 512).bn == 64  # k3-small w2 batch 1: not below 64 (wgmma's M)
     assert pick_tiles(8, 64, 512, 512).split_k == 1
     assert pick_tiles(64 * 40, 64, 1024, 512) == MID_TILES
     assert pick_tiles(65536, 64, 1024, 512) == PREFILL_TILES

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from k3.ops.backend import triton_runs_on
 from k3.ops.grouped_gemm.reference import check_offs
+from k3.ops.mxfp4_gemm.layout import from_kernel_order, to_kernel_order
 from k3.ops.mxfp4_gemm.reference import mxfp4_gmm_reference
 
 if TYPE_CHECKING:  # the kernel module imports triton: only where it runs
     from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles
 
-__all__ = ["mxfp4_grouped_mm", "mxfp4_gmm_reference"]
+__all__ = ["mxfp4_grouped_mm", "mxfp4_gmm_reference", "to_kernel_order", "from_kernel_order"]
 
 
 def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor) -> None:
@@ -44,7 +45,8 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs: tor
 
 
 def mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, *,
-                     tiles: "Mxfp4Tiles | None" = None, use_triton: bool | None = None) -> torch.Tensor:
+                     tiles: "Mxfp4Tiles | None" = None, use_triton: bool | None = None,
+                     kernel_order: bool = False) -> torch.Tensor:
     """Rows of expert e times decode(packed[e], scale[e])^T.
 
     Args:
@@ -53,15 +55,18 @@ def mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         offs: [E] int32 cumulative row counts (expert e owns rows offs[e-1] .. offs[e]-1).
         tiles: Triton tile shape (default: by rows per expert, `triton_mxfp4.pick_tiles`).
         use_triton: None = Triton where it runs (CUDA, or CPU under TRITON_INTERPRET=1).
+        kernel_order: packed is in the kernel's byte order (`layout.to_kernel_order`; K a multiple of 64).
     Returns:
         [S, N] of x.dtype, fp32 accumulation. Rows at or past offs[-1]: zero on the reference path,
         unwritten by the kernel.
     """
     _check(x, packed, scale, offs)
+    if kernel_order and x.shape[1] % 64:
+        raise ValueError(f"kernel-order bytes need K a multiple of 64, got K = {x.shape[1]}")
     if use_triton is None:
         use_triton = triton_runs_on(x)
     if use_triton:
         from k3.ops.mxfp4_gemm.triton_mxfp4 import mxfp4_gmm_triton
 
-        return mxfp4_gmm_triton(x, packed, scale, offs, tiles)
-    return mxfp4_gmm_reference(x, packed, scale, offs)
+        return mxfp4_gmm_triton(x, packed, scale, offs, tiles, kernel_order)
+    return mxfp4_gmm_reference(x, from_kernel_order(packed) if kernel_order else packed, scale, offs)

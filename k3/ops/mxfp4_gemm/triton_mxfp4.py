@@ -1,29 +1,38 @@
 """Grouped GEMM over expert-sorted rows with MXFP4 weights dequantised in registers (Triton).
 
-y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (official layout, k3.quant.mxfp4).
-Hopper has no FP4 tensor cores, so each program loads a [BN, BK/2] tile of packed bytes (16-byte rows of
-one 32-element group each) plus its [BN, BK/32] E8M0 bytes, expands them once per tile to a [BN, BK] tile
-in the activation dtype (`_decode_tile`: low / high nibbles interleaved by tl.join, so x is read
-contiguously and one tl.dot covers the K tile) and multiplies it against the [BM, BK] row tile.
+y[rows of e] = x[rows of e] @ W_e^T, W_e = decode(packed[e], scale[e]) (k3.quant.mxfp4; bytes in the
+official layout or in the kernel order of `layout.py`). Hopper has no FP4 tensor cores, so each program
+loads a [BN, BK/2] tile of packed bytes plus its [BN, BK/32] E8M0 bytes, expands them once per tile to
+a [BN, BK] tile in the activation dtype (`_decode_tile`) and multiplies it against the [BM, BK] row tile.
 
 The product is computed transposed, acc[BN, BM] = W_tile @ x_tile^T: the weight tile is the left operand
 (Hopper's wgmma takes it from registers, where it was decoded; its M >= 64 is filled by BN) and the rows are
 the small right operand, so decode with one row per expert wastes no MMA width on padding rows.
 
+Decode (bf16 activations on the GPU, `_ASM_DECODE`): per 4 bytes two prmt, then per pair of nibbles one
+and / multiply / and places the E2M1 bits straight into a bf16 pair and one bf16x2 multiply applies the
+group's scale: ~2.25 instructions per weight. Which columns land in which register is set by the K order
+(`_k_order`; both operands permuted alike, so the dot is unchanged): the wgmma fragment of lane q holds
+columns 2q, 2q + 1 (+ multiples of 8). PERM 3 permutes K so that those come from BK / 8 consecutive
+bytes (one wide shared-memory load) and a register pair is what the asm produces (no shuffles), at the
+cost of permuting the x tile through registers (cheap at decode's 16 rows, not at prefill's 256);
+PERM 0 keeps K in order (x copied straight to shared memory; the weight bytes are read one by one);
+PERM 4 reads bytes stored in the kernel order (`layout.to_kernel_order`, how `RoutedExperts` keeps
+them): both advantages, no permutation of x.
+
 Exactness: an E2M1 value times a power of two is exact in bf16 / fp32 as long as it stays a normal number.
-Tiles are decoded in fp32 as W * 2^-SHIFT (`_raw_lo_hi` times one factor per 32-element group) and cast
-to the activation dtype; for bf16 / fp32 the fp32 accumulator is multiplied by 2^SHIFT at the store
-(exact). With SHIFT = 32 every E8M0 byte s in [2 + SHIFT, 128 + SHIFT] = [34, 160] -- block scales
+Tiles are decoded as W * 2^-SHIFT; for bf16 / fp32 the fp32 accumulator is multiplied by 2^SHIFT at the
+store (exact). With SHIFT = 32 every E8M0 byte s in [2 + SHIFT, 128 + SHIFT] = [34, 160] -- block scales
 2^-93 .. 2^33, far beyond any trained weight -- decodes exactly (larger bytes give inf, smaller ones lose
-low bits as subnormals). fp16 activations multiply the tile back by 2^SHIFT before the cast (the
-weights must lie in fp16's range to be exact: |W| in [2^-14, 65504]).
+low bits as subnormals). fp32 / fp16 activations decode in fp32 (`_raw_lo_hi`); fp16 multiplies the tile
+back by 2^SHIFT before the cast (the weights must lie in fp16's range to be exact: |W| in [2^-14, 65504]).
 
 Scheduling (CUDA-graph friendly: no host reads of the routing): grid (N tiles, row-tile slots, K splits).
 Row tile t is the t-th BM-row tile over all experts in order (expert e has cdiv(rows_e, BM) of them); each
 program finds its expert by a prefix sum over `offs` (E <= a few thousand: one vector op). The host sizes
 the grid by the bound cdiv(S, BM) + min(E, S) on the number of row tiles; slots past the last tile and
 experts without rows cost a program that exits after the search. So each decoded weight tile feeds BM rows
-(prefill: BM = 128), and decode (BM = 16, one tile per active expert) streams each active expert's weights
+(prefill: BM = 256), and decode (BM = 16, one tile per active expert) streams each active expert's weights
 once. With K splits > 1 each program sums a K range into an fp32 partial [split, S, N]; the host adds the
 partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are not written.
 """
@@ -66,19 +75,97 @@ def _e8m0_factor(s, SHIFT: tl.constexpr):
     return (tl.minimum(s + (126 - SHIFT), 255) << 23).to(tl.float32, bitcast=True)
 
 
+# bf16 decode of 4 packed bytes per asm instance (GPU): $4 = bytes b0..b3, $5 / $6 = the bf16 factors of
+# the low nibbles of elements (0, 1) / (2, 3), $7 / $8 those of the high nibbles; out $0 / $1 = low
+# nibbles of (b0, b1) / (b2, b3) as bf16 pairs, $2 / $3 = high nibbles. prmt spreads two bytes to the two 16-bit halves; per half the nibble's magnitude bits go to bits
+# 6-8 (the two lowest exponent bits and the top mantissa bit) and its sign to bit 15 by one multiply (two
+# non-overlapping copies) and one mask: the E2M1 value times 2^-126 as a bf16 (code 1 = 0.5 a subnormal,
+# which bf16 arithmetic keeps), then one bf16x2 multiply by 2^(s - 1 - SHIFT) gives the weight times
+# 2^-SHIFT exactly: three integer ops and half a multiply per weight.
+_ASM_DECODE: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 z, t0, t1, a0, a1, a2, a3;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+and.b32 a0, t0, 0x000F000F;
+and.b32 a1, t1, 0x000F000F;
+and.b32 a2, t0, 0x00F000F0;
+and.b32 a3, t1, 0x00F000F0;
+mul.lo.u32 a0, a0, 0x1040;
+mul.lo.u32 a1, a1, 0x1040;
+mul.lo.u32 a2, a2, 0x104;
+mul.lo.u32 a3, a3, 0x104;
+and.b32 a0, a0, 0x81C081C0;
+and.b32 a1, a1, 0x81C081C0;
+and.b32 a2, a2, 0x81C081C0;
+and.b32 a3, a3, 0x81C081C0;
+mul.rn.bf16x2 $0, a0, $5;
+mul.rn.bf16x2 $1, a1, $6;
+mul.rn.bf16x2 $2, a2, $7;
+mul.rn.bf16x2 $3, a3, $8;
+}
+""")
+
+
 @triton.jit
-def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr):
-    """p uint8 [BN, G, 16] (16 bytes = one 32-element group), s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT:
-    the weights times W_UP * 2^-SHIFT, column 2j from byte j's low nibble and 2j + 1 from its high one."""
-    lo, hi = _raw_lo_hi(p.to(tl.uint32))
-    f = _e8m0_factor(s.to(tl.uint32), SHIFT)[:, :, None]  # one factor per group, broadcast over its bytes
-    lo = lo * f
-    hi = hi * f
-    if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
-        lo = lo * W_UP
-        hi = hi * W_UP
-    w = tl.join(cvt(lo, WDT), cvt(hi, WDT))  # [BN, G, 16, 2]: exact products, exact casts
-    return tl.reshape(w, (p.shape[0], p.shape[1] * 32))
+def _k_order(t, BK: tl.constexpr, PERM: tl.constexpr):
+    """t [R, BK / 2, 2] (K in order: byte j's two columns 2j, 2j + 1) -> [R, BK] in the kernel's K order
+    (any permutation of K applied to both operands leaves the dot unchanged). In the wgmma register operand
+    a thread holds columns 2q, 2q + 1 (one 32-bit register) plus multiples of 8 (q = lane % 4).
+    PERM 0: K in order: the thread's bytes are every fourth byte (one narrow load each).
+    PERM 3: K = (q, j, t, h) [4, BK / 16, 2, 2] -> (j, h, q, t): the thread's bytes are BK / 8 consecutive
+    ones (one wide load), and a register pair holds the same nibble of two consecutive bytes (what
+    `_ASM_DECODE` produces, so no shuffles)."""
+    if PERM == 3:
+        t = tl.reshape(t, (t.shape[0], 4, BK // 16, 2, 2))
+        t = tl.permute(t, (0, 2, 4, 1, 3))
+    return tl.reshape(t, (t.shape[0], BK))
+
+
+@triton.jit
+def _bf16_factor(s):
+    """uint8 E8M0 bytes -> bf16 2^(s - 1 - SHIFT) (inf above 128 + SHIFT): `_ASM_DECODE`'s factors."""
+    return (tl.minimum(s.to(tl.uint32) + (126 - SHIFT), 255) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _lo_hi(p, f_lo, f_hi, WDT: tl.constexpr, W_UP: tl.constexpr, ASM: tl.constexpr):
+    """uint8 bytes p and the E8M0 bytes of their low / high nibbles (broadcastable) -> (low, high) nibbles'
+    weights times W_UP * 2^-SHIFT in WDT (exact)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_ASM_DECODE, "=r,=r,=r,=r,r,r,r,r,r",
+                                           [p, _bf16_factor(f_lo), _bf16_factor(f_hi)],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = _raw_lo_hi(p.to(tl.uint32))
+        lo = lo * _e8m0_factor(f_lo.to(tl.uint32), SHIFT)
+        hi = hi * _e8m0_factor(f_hi.to(tl.uint32), SHIFT)
+        if W_UP != 1.0:  # fp16: the weights themselves (2^-SHIFT of them is below fp16's range)
+            lo = lo * W_UP
+            hi = hi * W_UP
+        lo = cvt(lo, WDT)
+        hi = cvt(hi, WDT)
+    return lo, hi
+
+
+@triton.jit
+def _decode_tile(p, s, WDT: tl.constexpr, W_UP: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr,
+                 ASM: tl.constexpr):
+    """p uint8 [BN, G, 16] (16 bytes = one 32-element group; PERM 4: bytes in kernel order, `layout.py`),
+    s uint8 [BN, G] E8M0 -> [BN, 32 G] of WDT in the kernel's K order (`_k_order`; PERM 4: K in order):
+    the weights times W_UP * 2^-SHIFT. ASM (bf16, GPU only): `_ASM_DECODE`."""
+    BN: tl.constexpr = p.shape[0]
+    if PERM == 4:
+        C: tl.constexpr = BK // 64
+        s_lo, s_hi = tl.split(tl.reshape(s, (BN, C, 2)))  # chunk c's groups 2c (low nibbles), 2c + 1
+        lo, hi = _lo_hi(tl.reshape(p, (BN, C, 4, 4, 2)), s_lo[:, :, None, None, None],
+                        s_hi[:, :, None, None, None], WDT, W_UP, ASM)
+        w = tl.permute(tl.join(lo, hi), (0, 1, 5, 3, 2, 4))  # [BN, c, q, j, t, h] -> [BN, c, h, j, q, t]
+        return tl.reshape(w, (BN, BK))
+    lo, hi = _lo_hi(p, s[:, :, None], s[:, :, None], WDT, W_UP, ASM)
+    w = tl.join(lo, hi)  # [BN, G, 16, 2]: column 2j from byte j's low nibble, 2j + 1 from its high one
+    return _k_order(tl.reshape(w, (BN, BK // 2, 2)), BK, PERM)
 
 
 @triton.jit
@@ -100,15 +187,10 @@ def _find_tile(offs_ptr, E, t, EP: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
-               stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr):
-    """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
-    rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
-    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
-    pn = tl.program_id(0)
-    e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
-    ks = tl.program_id(2)
+def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+          stride_se, stride_sn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_UP: tl.constexpr,
+          Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr):
+    """Rows m0 .. min(m0 + BM, r1) - 1 of expert e times N tile pn over K split ks (`_mxfp4_gmm`)."""
     # this program's K tiles (loop over tile indices: offsets are constant multiples, so the compiler
     # knows their alignment and vectorises the loads)
     kt_all = K // BK
@@ -131,15 +213,32 @@ def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, s
         p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
         xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
+        if PERM != 4:  # kernel-order bytes are decoded in K order
+            xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
-            w = _decode_tile(p, s, tl.float32, W_UP)
+            w = _decode_tile(p, s, tl.float32, W_UP, BK, PERM, False)
             acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
         else:
-            w = _decode_tile(p, s, xt.dtype, W_UP)
+            w = _decode_tile(p, s, xt.dtype, W_UP, BK, PERM, ASM and xt.dtype == tl.bfloat16)
             acc = tl.dot(w, tl.trans(xt), acc)
     y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
     # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
     tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+               stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
+               ASM: tl.constexpr):
+    """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
+    rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
+    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
+    pn = tl.program_id(0)
+    e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
+    ks = tl.program_id(2)
+    _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn, stride_se,
+          stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
 
 
 @dataclass(frozen=True)
@@ -154,6 +253,8 @@ class Mxfp4Tiles:
     warps: int
     stages: int
     split_k: int = 1
+    perm: int = 3
+    asm: bool = True
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -163,6 +264,10 @@ class Mxfp4Tiles:
                                  f"got {v}")
         if min(self.warps, self.stages, self.split_k) < 1:
             raise ValueError(f"Mxfp4Tiles: warps, stages and split_k must be >= 1, got {self}")
+        if self.perm not in (0, 3, 4):
+            raise ValueError(f"Mxfp4Tiles.perm must be 0, 3 or 4, got {self.perm}")
+        if self.perm == 4 and self.bk < 64:
+            raise ValueError(f"Mxfp4Tiles: perm 4 (kernel-order bytes) needs bk >= 64, got {self.bk}")
 
 
 # Defaults from the tile sweep of `bench/mxfp4_gemm.py --sweep` on an H100 (k3-small and kimi-k3 expert
@@ -173,15 +278,15 @@ DECODE_TILES = Mxfp4Tiles(bm=16, bn=128, bk=128, warps=4, stages=3)
 # up to 64 rows per expert
 MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
 # prefill: every decoded weight tile feeds 256 rows
-PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3)
+PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, perm=0)
 # fewer decode programs than this leave SMs idle (an H100 has 132): narrower N tiles instead
 MIN_PROGRAMS = 128
 
 
 def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
     """Tiles by rows per expert (host values only: S, E and the weight shape). At decode the N tile is
-    halved (down to 32) while the (N tiles x active experts) grid is smaller than MIN_PROGRAMS: the
-    sweep's winners for small N (k3-small: 64 at N = 1024, 32 at N = 512, one token)."""
+    halved (down to 64: wgmma's M) while the (N tiles x active experts) grid is smaller than MIN_PROGRAMS
+    (k3-small at one token: 64 for N = 1024 and 512)."""
     per_expert = rows / max(experts, 1)
     if per_expert > 64:
         return PREFILL_TILES
@@ -189,7 +294,7 @@ def pick_tiles(rows: int, experts: int, n: int, k: int) -> Mxfp4Tiles:
         return MID_TILES
     t = DECODE_TILES
     bn = t.bn
-    while bn > 32 and triton.cdiv(n, bn) * max(1, min(experts, rows)) < MIN_PROGRAMS:
+    while bn > 64 and triton.cdiv(n, bn) * max(1, min(experts, rows)) < MIN_PROGRAMS:
         bn //= 2
     return t if bn == t.bn else dataclasses.replace(t, bn=bn)
 
@@ -202,23 +307,30 @@ def _fit_bk(bk: int, K: int) -> int:
 
 
 def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                     tiles: Mxfp4Tiles | None = None) -> torch.Tensor:
+                     tiles: Mxfp4Tiles | None = None, kernel_order: bool = False) -> torch.Tensor:
     """See `k3.ops.mxfp4_gemm.mxfp4_grouped_mm` (arguments checked there)."""
     S, K = x.shape
     E, N = packed.shape[:2]
     t = tiles or pick_tiles(S, E, N, K)
+    if kernel_order != (t.perm == 4):
+        if tiles is not None:
+            raise ValueError(f"tiles.perm must be 4 exactly for kernel-order bytes (kernel_order={kernel_order}), "
+                             f"got {t.perm}")
+        t = dataclasses.replace(t, perm=4 if kernel_order else 3, bk=max(t.bk, 64))
     bk = _fit_bk(t.bk, K)
-    split = max(1, min(t.split_k, K // bk))
+    if t.perm == 4 and (bk < 64 or K % 64):
+        raise ValueError(f"kernel-order bytes need K a multiple of 64, got K = {K}")
     x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty(S, N, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, S, N, dtype=torch.float32, device=x.device)
     up = float(2 ** SHIFT_BITS)
     w_up, y_up = (up, 1.0) if x.dtype == torch.float16 else (1.0, up)
+    split = max(1, min(t.split_k, K // bk))
+    y = torch.empty(S, N, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, S, N, dtype=torch.float32, device=x.device)
     slots = max(1, triton.cdiv(S, t.bm) + min(E, S))
     grid = (triton.cdiv(N, t.bn), slots, split)
     _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
                      N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
-                     W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32,
+                     W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm, ASM=t.asm,
                      num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
