@@ -1,0 +1,311 @@
+"""One-pass chunked KDA forward for Hopper (sm_90) in Gluon (`triton.experimental.gluon`, Triton 3.6).
+
+One program per (sequence, head, value block of BV columns) walks the sequence's chunks of 64 tokens
+with the state S [K, BV] (fp32) in registers; nothing but the inputs, o and the states touches global
+memory (the Triton path writes and re-reads W, U, P, qg, kg, gl between two launches).  Per chunk,
+with G the within-chunk cumulative log-decay (a scan), the maths of `triton_fwd` / docs/kda_kernels.md:
+
+    A[t,s] = beta_t k_t.k_s e^{G_t - G_s} (s < t),  P[t,s] = scale q_t.k_s e^{G_t - G_s} (s <= t)
+    T = (I + A)^-1;  R = beta v - (beta k e^G) S;  Vn = T R
+    O = (scale q e^G) S + P Vn;  S <- e^{gl} S + (k e^{gl - G})^T Vn
+
+* A and P: per 16-row block i the factorised products e^{G_t - mid_i} e^{mid_i - G_s} (mid_i = G at
+  row 16 i + 7; finite for per-step decays >= -5, see chunk.py) as transposed dots X_i [64(s), 16(t)]
+  = (k e^{mid_i - G})[64, K] @ ([q_i or k_i] e^{G_i - mid_i})^T: wgmma needs M = 64, so the 16 rows of
+  block i are the dot's N.  tf32 operands rounded to nearest first (as the Triton kernels).
+* T: the 16x16 diagonal blocks by forward substitution (one warp per block, [4, 16, 16] registers),
+  then T = Td - N (Td - N (Td - N Td)) with N = Td A_off (exact: N^4 = 0), three tf32 wgmma.
+* State dots with bf16 / fp16 operands (S and Vn rounded to the input dtype, as the Triton path and
+  fla); Vn = T R in tf32.
+
+Layouts: one warpgroup (4 warps).  Register tiles use a generic blocked layout for loads and
+elementwise work and the wgmma accumulator layouts for dot results; shared memory holds the chunk's
+raw q, k and G (fp32), the dot operands and A / P while they are transposed.
+
+Contract (checked by `supported`): CUDA sm_90, Triton 3.6's Gluon, q / k / v bf16 or fp16, K in {64, 128},
+V in {32, 64, 128}; everything else (fp32 inputs, other head dims, the interpreter) runs the Triton
+kernels.  Inference only: the autograd path keeps the Triton forward (its backward needs W, P, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon's API changes between Triton releases: this file is written against Triton 3.6.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    _IMPORTED = True
+except Exception:  # noqa: BLE001 - any import problem means "no Gluon"
+    _IMPORTED = False
+
+__all__ = ["GLUON_AVAILABLE", "supported", "kda_fwd_gluon"]
+
+GLUON_AVAILABLE = _IMPORTED and tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
+CHUNK = 64
+HEAD_DIMS_K = (64, 128)
+HEAD_DIMS_V = (32, 64, 128)
+
+
+def supported(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Gluon forward can run these inputs (device, Triton version, dtype, head dims)."""
+    if not (GLUON_AVAILABLE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if q.shape[-1] not in HEAD_DIMS_K or v.shape[-1] not in HEAD_DIMS_V:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+if _IMPORTED:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _exp(x):
+        return gl.exp2(x * 1.4426950408889634)
+
+    @gluon.jit
+    def _tf32r(x):
+        """fp32 -> nearest tf32 value (the tensor cores would truncate the 13 low mantissa bits)."""
+        u = x.to(gl.uint32, bitcast=True)
+        return ((u + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _chunk_ap(q_s, k_s, g_s, bq_s, bk_s, pt_s, at_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
+                  M16: gl.constexpr):
+        """Raw P^T and A^T of one chunk into pt_s / at_s ([64(s), 64(t)] fp32, unmasked, unscaled by
+        the t-side norms, beta and scale): per row block i the transposed dot described above."""
+        kn = k_s.load(BL).to(gl.float32) * rk[:, None]
+        for i in gl.static_range(4):
+            G = g_s.load(BL)
+            mid = g_s.slice(16 * i + 7, 1).load(BL)
+            lk = gl.where((rows < 16 * (i + 1))[:, None], kn * _exp(mid - G), 0.0)
+            lk = gl.convert_layout(_tf32r(lk), gl.DotOperandLayout(0, M16, 1))
+            e = _exp(g_s.slice(16 * i, 16).load(BL) - mid)
+            bq_s.store(_tf32r(q_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
+            bk_s.store(_tf32r(k_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
+            fence_async_shared()
+            gl.thread_barrier()
+            z = gl.zeros([64, 16], gl.float32, M16)
+            xp = warpgroup_mma(lk, bq_s.permute((1, 0)), z, use_acc=False)
+            xa = warpgroup_mma(lk, bk_s.permute((1, 0)), z, use_acc=False)
+            pt_s.slice(16 * i, 16, dim=1).store(xp)
+            at_s.slice(16 * i, 16, dim=1).store(xa)
+            gl.thread_barrier()
+
+    @gluon.jit
+    def _diag_inverse(pt_s, ad_s, L16: gl.constexpr, L3: gl.constexpr, PLAIN3: gl.constexpr):
+        """pt_s holds the block-diagonal part Ad of A ([64, 64], zeros off the 16x16 diagonal blocks).
+        Overwrites its diagonal blocks with (I + Ad_b)^-1 (forward substitution, warp b on block b).
+        ad_s: [64, 16] fp32 scratch, the four blocks stacked (seen as [4, 16, 16])."""
+        for b in gl.static_range(4):
+            ad_s.slice(16 * b, 16).store(pt_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(L16))
+        gl.thread_barrier()
+        ad3_s = ad_s._reinterpret(gl.float32, [4, 16, 16], PLAIN3)
+        a3t = ad3_s.permute((0, 2, 1)).load(L3)  # a3t[b, s, r] = A_b[r, s]
+        r1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        c1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        r3 = r1[None, :, None]
+        c3 = c1[None, None, :]
+        x3 = gl.zeros([4, 16, 16], gl.float32, L3) + gl.where(r3 == c3, 1.0, 0.0)
+        for j in gl.static_range(1, 16):
+            coef = gl.sum(gl.where(c3 == j, a3t, 0.0), axis=2)  # [4, 16(s)] = A_b[j, s]
+            row = gl.sum(coef[:, :, None] * x3, axis=1)  # [4, 16(c)] = sum_s A_b[j, s] X_b[s, c]
+            x3 = gl.where(r3 == j, x3 - row[:, None, :], x3)
+        gl.thread_barrier()
+        ad3_s.store(x3)
+        gl.thread_barrier()
+        for b in gl.static_range(4):
+            pt_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).store(ad_s.slice(16 * b, 16).load(L16))
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _kda_fwd_gluon(
+        q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, lower_bound,
+        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+    ):
+        dt: gl.constexpr = q.dtype.element_ty
+        BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        BLR: gl.constexpr = gl.SliceLayout(1, BL)
+        BLC: gl.constexpr = gl.SliceLayout(0, BL)
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [4, 1, 1], [2, 1, 0])
+        M16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 8])
+        M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 8])
+        MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
+        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+
+        q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
+        k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
+        g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
+        bq_s = gl.allocate_shared_memory(gl.float32, [16, K], gl.NVMMASharedLayout.get_default_for([16, K], gl.float32))
+        bk_s = gl.allocate_shared_memory(gl.float32, [16, K], gl.NVMMASharedLayout.get_default_for([16, K], gl.float32))
+        pt_s = gl.allocate_shared_memory(gl.float32, [64, 64], PLAIN2)
+        at_s = gl.allocate_shared_memory(gl.float32, [64, 64], PLAIN2)
+        ad_s = gl.allocate_shared_memory(gl.float32, [64, 16], PLAIN2)
+        y_s = gl.allocate_shared_memory(gl.float32, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32))
+        r_s = gl.allocate_shared_memory(gl.float32, [BV, 64], gl.NVMMASharedLayout.get_default_for([BV, 64], gl.float32))
+        s_s = gl.allocate_shared_memory(dt, [K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
+        vn_s = gl.allocate_shared_memory(dt, [64, BV], gl.NVMMASharedLayout.get_default_for([64, BV], dt))
+        kg_s = gl.allocate_shared_memory(dt, [64, K], gl.NVMMASharedLayout.get_default_for([64, K], dt))
+
+        i_nh = gl.program_id(0)
+        i_v = gl.program_id(1)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        bos = gl.load(cu_seqlens + i_n)
+        eos = gl.load(cu_seqlens + i_n + 1)
+        nt = gl.cdiv(eos - bos, 64)
+        v0 = i_v * BV
+
+        # state [K, BV] in the accumulator layout of the state-update dot
+        srow = gl.arange(0, K, layout=gl.SliceLayout(1, MV16))
+        scol = gl.arange(0, BV, layout=gl.SliceLayout(0, MV16))
+        soff = i_nh.to(gl.int64) * (K * V) + srow[:, None] * V + v0 + scol[None, :]
+        if USE_H0:
+            S = gl.load(h0 + soff)
+        else:
+            S = gl.zeros([K, BV], gl.float32, MV16)
+
+        rows = gl.arange(0, 64, layout=BLR)
+        colk = gl.arange(0, K, layout=BLC)
+        colv = gl.arange(0, BV, layout=BLC)
+        tr = gl.arange(0, 64, layout=gl.SliceLayout(1, M64))
+        sc = gl.arange(0, 64, layout=gl.SliceLayout(0, M64))
+        orow = gl.arange(0, 64, layout=gl.SliceLayout(1, MV16))
+        if GATE:
+            a_h = _exp(gl.load(A_log + i_h).to(gl.float32))
+            bias = gl.load(dt_bias + i_h * K + colk).to(gl.float32)
+        for c in range(nt):
+            t0 = bos + c * 64
+            nr = eos - t0
+            m_t = rows < nr
+            row64 = (t0 + rows).to(gl.int64) * H + i_h
+            mk = m_t[:, None] & (colk[None, :] < K)
+            bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+            bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+            bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
+            if GATE:
+                bg = gl.where(mk, lower_bound / (1.0 + _exp(-a_h * (bg + bias[None, :]))), 0.0)
+            bb = gl.load(beta + row64, mask=m_t, other=0.0).to(gl.float32)
+            if BSIG:
+                bb = gl.where(m_t, 1.0 / (1.0 + _exp(-bb)), 0.0)
+            if L2:
+                qf = bq.to(gl.float32)
+                kf = bk.to(gl.float32)
+                rq = gl.rsqrt(gl.sum(qf * qf, axis=1) + 1e-6)
+                rk = gl.rsqrt(gl.sum(kf * kf, axis=1) + 1e-6)
+            else:
+                rq = gl.full([64], 1.0, gl.float32, BLR)
+                rk = gl.full([64], 1.0, gl.float32, BLR)
+            G = gl.associative_scan(bg, 0, _add)
+            gl.thread_barrier()  # the previous chunk's readers of q_s, k_s, g_s are done
+            q_s.store(bq)
+            k_s.store(bk)
+            g_s.store(G)
+            gl.thread_barrier()
+
+            # ---- A, P (raw transposed pieces), then masks and row scales in [t, s] orientation
+            _chunk_ap(q_s, k_s, g_s, bq_s, bk_s, pt_s, at_s, rk, rows, K, BL, M16)
+            P = pt_s.permute((1, 0)).load(M64)
+            A = at_s.permute((1, 0)).load(M64)
+            rq_t = gl.convert_layout(rq * scale, gl.SliceLayout(1, M64))
+            bk_t = gl.convert_layout(bb * rk, gl.SliceLayout(1, M64))
+            P = gl.where(sc[None, :] <= tr[:, None], P * rq_t[:, None], 0.0)
+            A = gl.where(sc[None, :] < tr[:, None], A * bk_t[:, None], 0.0)
+            same = (tr[:, None] // 16) == (sc[None, :] // 16)
+            gl.thread_barrier()
+            pt_s.store(gl.where(same, A, 0.0))
+            y_s.store(gl.permute(_tf32r(gl.where(same, 0.0, A)), (1, 0)))  # A_off^T: K-major operand
+            gl.thread_barrier()
+
+            # ---- T = (I + A)^-1
+            _diag_inverse(pt_s, ad_s, L16, L3, PLAIN3)
+            Td = pt_s.load(M64)
+            fence_async_shared()
+            D64: gl.constexpr = gl.DotOperandLayout(0, M64, 1)
+            N = warpgroup_mma(gl.convert_layout(_tf32r(Td), D64), y_s.permute((1, 0)),
+                              gl.zeros([64, 64], gl.float32, M64), use_acc=False)
+            nneg = gl.convert_layout(_tf32r(-N), D64)
+            Y = Td
+            for _ in gl.static_range(3):
+                gl.thread_barrier()
+                y_s.store(gl.permute(_tf32r(Y), (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                Y = warpgroup_mma(nneg, y_s.permute((1, 0)), Td)
+
+            # ---- R = beta v - (beta k e^G) S;  Vn = T R
+            gl.thread_barrier()
+            s_s.store(S.to(dt))
+            mv = m_t[:, None] & (colv[None, :] < BV)
+            bv = gl.load(v + row64[:, None] * V + v0 + colv[None, :], mask=mv, other=0.0).to(gl.float32)
+            G = g_s.load(BL)
+            eG = _exp(G)
+            kf = k_s.load(BL).to(gl.float32)
+            xw = gl.convert_layout((-(bb * rk)[:, None] * kf * eG).to(dt), gl.DotOperandLayout(0, MV16, 2))
+            fence_async_shared()
+            gl.thread_barrier()
+            R = warpgroup_mma(xw, s_s, gl.convert_layout(bv * bb[:, None], MV16))
+            r_s.store(gl.permute(_tf32r(R), (1, 0)))
+            fence_async_shared()
+            gl.thread_barrier()
+            Vn = warpgroup_mma(gl.convert_layout(_tf32r(Y), gl.DotOperandLayout(0, MV8, 1)), r_s.permute((1, 0)),
+                               gl.zeros([64, BV], gl.float32, MV8), use_acc=False)
+            vn_s.store(Vn.to(dt))
+
+            # ---- O = (scale q e^G) S + P Vn
+            qf = q_s.load(BL).to(gl.float32)
+            qg = gl.convert_layout(((rq * scale)[:, None] * qf * eG).to(dt), gl.DotOperandLayout(0, MV16, 2))
+            pd = gl.convert_layout(P.to(dt), gl.DotOperandLayout(0, MV16, 2))
+            glast = g_s.slice(63, 1).load(BL)
+            kg_s.store((kf * rk[:, None] * _exp(glast - G)).to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            O = warpgroup_mma(qg, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False)
+            O = warpgroup_mma(pd, vn_s, O)
+            ooff = (t0 + orow).to(gl.int64) * H + i_h
+            gl.store(o + ooff[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
+                     mask=(orow < nr)[:, None] & (scol[None, :] < BV))
+
+            # ---- S <- e^gl S + kg^T Vn
+            egl = gl.convert_layout(gl.sum(_exp(glast), axis=0), gl.SliceLayout(1, MV16))
+            S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None])
+        if STORE_HT:
+            gl.store(ht + soff, S)
+
+
+def _value_block(V: int, NH: int) -> int:
+    """Value block per program: 64 (or V if smaller), 32 when fewer than 2 programs per SM-ish would run."""
+    bv = min(V, 64)
+    if bv > 32 and NH * (V // bv) < 128:
+        bv = 32
+    return bv
+
+
+def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N, scale, lower_bound,
+                  l2, bsig, output_final_state):
+    """Inference forward (no intermediates kept).  Shapes as `chunk_kda`; cu_seqlens int32 [N + 1] on
+    the device (the fixed-length batch as offsets b * T).  Returns (o [B, T, H, V] in v's dtype,
+    final state [N, H, K, V] fp32 or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty_like(v)
+    ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    gate = A_log is not None
+    BV = _value_block(V, N * H)
+    _kda_fwd_gluon[(N * H, V // BV)](
+        q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
+        h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens, float(scale), float(lower_bound),
+        H=H, K=K, V=V, BV=BV, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
+        STORE_HT=ht is not None, num_warps=4,
+    )
+    return o, ht
