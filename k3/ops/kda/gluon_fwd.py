@@ -126,35 +126,42 @@ if _IMPORTED:
     @gluon.jit
     def _kda_fwd_gluon(
         q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, lower_bound,
-        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr,
         GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
     ):
         dt: gl.constexpr = q.dtype.element_ty
-        BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        WN: gl.constexpr = NW // 4  # warpgroups side by side along the dots' N
+        BL: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
         BLR: gl.constexpr = gl.SliceLayout(1, BL)
         BLC: gl.constexpr = gl.SliceLayout(0, BL)
-        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])
-        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [4, 1, 1], [2, 1, 0])
-        M16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 8])
-        M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 8])
-        MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 8])
-        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BV, 16])
+        L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NW, 1], [1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+        M16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 16 // WN, 8])
+        M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 64 // WN, 8])
+        MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, BV // WN, 8])
+        MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
+                                                       instr_shape=[16, BV // WN, 16])
         PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
+        # Shared memory; buffers of different phases share bytes (reinterpreted views):
+        #   A/P phase: bq_s, bk_s (in y_s), pt_s, at_s (in pa_s);  inverse: y_s, pt_s;
+        #   state phase: r_s then vn_s (in pa_s), kg_s (in y_s), s_s.  q_s, k_s, g_s live all chunk.
         q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
-        bq_s = gl.allocate_shared_memory(gl.float32, [16, K], gl.NVMMASharedLayout.get_default_for([16, K], gl.float32))
-        bk_s = gl.allocate_shared_memory(gl.float32, [16, K], gl.NVMMASharedLayout.get_default_for([16, K], gl.float32))
-        pt_s = gl.allocate_shared_memory(gl.float32, [64, 64], PLAIN2)
-        at_s = gl.allocate_shared_memory(gl.float32, [64, 64], PLAIN2)
-        ad_s = gl.allocate_shared_memory(gl.float32, [64, 16], PLAIN2)
+        pa_s = gl.allocate_shared_memory(gl.float32, [128, 64], PLAIN2)
+        pt_s = pa_s.slice(0, 64)
+        at_s = pa_s.slice(64, 64)
         y_s = gl.allocate_shared_memory(gl.float32, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32))
-        r_s = gl.allocate_shared_memory(gl.float32, [BV, 64], gl.NVMMASharedLayout.get_default_for([BV, 64], gl.float32))
+        bqk_s = y_s._reinterpret(gl.float32, [32, K], gl.NVMMASharedLayout.get_default_for([32, K], gl.float32))
+        bq_s = bqk_s.slice(0, 16)
+        bk_s = bqk_s.slice(16, 16)
+        r_s = pa_s._reinterpret(gl.float32, [BV, 64], gl.NVMMASharedLayout.get_default_for([BV, 64], gl.float32))
+        vn_s = pa_s._reinterpret(dt, [64, BV], gl.NVMMASharedLayout.get_default_for([64, BV], dt))
+        kg_s = y_s._reinterpret(dt, [64, K], gl.NVMMASharedLayout.get_default_for([64, K], dt))
+        ad_s = gl.allocate_shared_memory(gl.float32, [64, 16], PLAIN2)
         s_s = gl.allocate_shared_memory(dt, [K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
-        vn_s = gl.allocate_shared_memory(dt, [64, BV], gl.NVMMASharedLayout.get_default_for([64, BV], dt))
-        kg_s = gl.allocate_shared_memory(dt, [64, K], gl.NVMMASharedLayout.get_default_for([64, K], dt))
 
         i_nh = gl.program_id(0)
         i_v = gl.program_id(1)
@@ -259,6 +266,7 @@ if _IMPORTED:
             gl.thread_barrier()
             Vn = warpgroup_mma(gl.convert_layout(_tf32r(Y), gl.DotOperandLayout(0, MV8, 1)), r_s.permute((1, 0)),
                                gl.zeros([64, BV], gl.float32, MV8), use_acc=False)
+            gl.thread_barrier()  # vn_s shares r_s's bytes
             vn_s.store(Vn.to(dt))
 
             # ---- O = (scale q e^G) S + P Vn
@@ -282,11 +290,17 @@ if _IMPORTED:
             gl.store(ht + soff, S)
 
 
+WARPS = 8  # two warpgroups side by side along the value columns (4: one warpgroup)
+VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
+
+
 def _value_block(V: int, NH: int) -> int:
-    """Value block per program: 64 (or V if smaller), 32 when fewer than 2 programs per SM-ish would run."""
-    bv = min(V, 64)
-    if bv > 32 and NH * (V // bv) < 128:
-        bv = 32
+    """Value block per program: all of V when that gives at least ~3/4 of the SMs a program (the
+    intra-chunk work is then done once per (sequence, head)), else halved (a program per SM is the
+    occupancy: ~200 KB of shared memory each)."""
+    bv = V
+    while bv > 32 and NH * (V // bv) < 96:
+        bv //= 2
     return bv
 
 
@@ -301,11 +315,11 @@ def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     gate = A_log is not None
-    BV = _value_block(V, N * H)
+    BV = min(V, VALUE_BLOCK) if VALUE_BLOCK is not None else _value_block(V, N * H)
     _kda_fwd_gluon[(N * H, V // BV)](
         q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
         h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens, float(scale), float(lower_bound),
-        H=H, K=K, V=V, BV=BV, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
-        STORE_HT=ht is not None, num_warps=4,
+        H=H, K=K, V=V, BV=BV, NW=WARPS, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
+        STORE_HT=ht is not None, num_warps=WARPS,
     )
     return o, ht
