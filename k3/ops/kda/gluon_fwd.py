@@ -75,26 +75,23 @@ if _IMPORTED:
         return ((u + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _chunk_ap(q_s, k_s, g_s, bq_s, bk_s, pt_s, at_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
-                  M16: gl.constexpr):
-        """Raw P^T and A^T of one chunk into pt_s / at_s ([64(s), 64(t)] fp32, unmasked, unscaled by
-        the t-side norms, beta and scale): per row block i the transposed dot described above."""
+    def _chunk_ap(q_s, k_s, g_s, bqk_s, x_s, rk, rows, K: gl.constexpr, BL: gl.constexpr, M32: gl.constexpr):
+        """Raw P^T and A^T of one chunk into x_s ([64(s), 128] fp32; columns 32 i + j: P^T[s, 16 i + j],
+        columns 32 i + 16 + j: A^T[s, 16 i + j]; unmasked, without the t-side norms, beta and scale):
+        per row block i one transposed dot with N = 32 (the block's 16 q rows, then its 16 k rows)."""
         kn = k_s.load(BL).to(gl.float32) * rk[:, None]
         for i in gl.static_range(4):
             G = g_s.load(BL)
             mid = g_s.slice(16 * i + 7, 1).load(BL)
             lk = gl.where((rows < 16 * (i + 1))[:, None], kn * _exp(mid - G), 0.0)
-            lk = gl.convert_layout(_tf32r(lk), gl.DotOperandLayout(0, M16, 1))
+            lk = gl.convert_layout(_tf32r(lk), gl.DotOperandLayout(0, M32, 1))
             e = _exp(g_s.slice(16 * i, 16).load(BL) - mid)
-            bq_s.store(_tf32r(q_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
-            bk_s.store(_tf32r(k_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
+            bqk_s.slice(0, 16).store(_tf32r(q_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
+            bqk_s.slice(16, 16).store(_tf32r(k_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
             fence_async_shared()
             gl.thread_barrier()
-            z = gl.zeros([64, 16], gl.float32, M16)
-            xp = warpgroup_mma(lk, bq_s.permute((1, 0)), z, use_acc=False)
-            xa = warpgroup_mma(lk, bk_s.permute((1, 0)), z, use_acc=False)
-            pt_s.slice(16 * i, 16, dim=1).store(xp)
-            at_s.slice(16 * i, 16, dim=1).store(xa)
+            x = warpgroup_mma(lk, bqk_s.permute((1, 0)), gl.zeros([64, 32], gl.float32, M32), use_acc=False)
+            x_s.slice(32 * i, 32, dim=1).store(x)
             gl.thread_barrier()
 
     @gluon.jit
@@ -136,7 +133,8 @@ if _IMPORTED:
         BLC: gl.constexpr = gl.SliceLayout(0, BL)
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NW, 1], [1, 0])
         L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
-        M16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 16 // WN, 8])
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [4, WN, 1], [2, 1, 0])
+        M32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 32 // WN, 8])
         M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 64 // WN, 8])
         MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, BV // WN, 8])
         MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
@@ -145,18 +143,17 @@ if _IMPORTED:
         PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
         # Shared memory; buffers of different phases share bytes (reinterpreted views):
-        #   A/P phase: bq_s, bk_s (in y_s), pt_s, at_s (in pa_s);  inverse: y_s, pt_s;
+        #   A/P phase: bqk_s (in y_s), x_s (in pa_s);  inverse: y_s, pt_s (in pa_s);
         #   state phase: r_s then vn_s (in pa_s), kg_s (in y_s), s_s.  q_s, k_s, g_s live all chunk.
         q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
         pa_s = gl.allocate_shared_memory(gl.float32, [128, 64], PLAIN2)
         pt_s = pa_s.slice(0, 64)
-        at_s = pa_s.slice(64, 64)
+        x_s = pa_s._reinterpret(gl.float32, [64, 128], PLAIN2)
+        x3_s = pa_s._reinterpret(gl.float32, [64, 4, 32], PLAIN3)
         y_s = gl.allocate_shared_memory(gl.float32, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32))
         bqk_s = y_s._reinterpret(gl.float32, [32, K], gl.NVMMASharedLayout.get_default_for([32, K], gl.float32))
-        bq_s = bqk_s.slice(0, 16)
-        bk_s = bqk_s.slice(16, 16)
         r_s = pa_s._reinterpret(gl.float32, [BV, 64], gl.NVMMASharedLayout.get_default_for([BV, 64], gl.float32))
         vn_s = pa_s._reinterpret(dt, [64, BV], gl.NVMMASharedLayout.get_default_for([64, BV], dt))
         kg_s = y_s._reinterpret(dt, [64, K], gl.NVMMASharedLayout.get_default_for([64, K], dt))
@@ -220,9 +217,9 @@ if _IMPORTED:
             gl.thread_barrier()
 
             # ---- A, P (raw transposed pieces), then masks and row scales in [t, s] orientation
-            _chunk_ap(q_s, k_s, g_s, bq_s, bk_s, pt_s, at_s, rk, rows, K, BL, M16)
-            P = pt_s.permute((1, 0)).load(M64)
-            A = at_s.permute((1, 0)).load(M64)
+            _chunk_ap(q_s, k_s, g_s, bqk_s, x_s, rk, rows, K, BL, M32)
+            P = gl.convert_layout(gl.reshape(x3_s.slice(0, 16, dim=2).permute((1, 2, 0)).load(LX), [64, 64]), M64)
+            A = gl.convert_layout(gl.reshape(x3_s.slice(16, 16, dim=2).permute((1, 2, 0)).load(LX), [64, 64]), M64)
             rq_t = gl.convert_layout(rq * scale, gl.SliceLayout(1, M64))
             bk_t = gl.convert_layout(bb * rk, gl.SliceLayout(1, M64))
             P = gl.where(sc[None, :] <= tr[:, None], P * rq_t[:, None], 0.0)
