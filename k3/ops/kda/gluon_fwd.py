@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from k3.ops.triton_utils import INTERPRETED
+
 try:  # Gluon's API changes between Triton releases: this file is written against Triton 3.6.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -51,7 +53,7 @@ HEAD_DIMS_V = (32, 64, 128)
 
 def supported(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the Gluon forward can run these inputs (device, Triton version, dtype, head dims)."""
-    if not (GLUON_AVAILABLE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
+    if INTERPRETED or not (GLUON_AVAILABLE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)):
         return False
     if q.shape[-1] not in HEAD_DIMS_K or v.shape[-1] not in HEAD_DIMS_V:
         return False
