@@ -143,3 +143,10 @@ def test_gpu_gluon_pinned_bound():
     x = _inputs(256, 2, 128, 128, torch.bfloat16, gate=False, l2=True, bsig=False, N=1)
     x["g"].fill_(-5.0)
     _check(x, l2=True, bsig=False)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_few_heads_value_blocks():
+    # N * H = 2: two value blocks of 64 per (sequence, head); no initial state
+    x = _inputs(200, 1, 128, 128, torch.bfloat16, gate=False, l2=True, bsig=False, N=2, B=2)
+    _check(x, l2=True, bsig=False)

@@ -77,23 +77,24 @@ if _IMPORTED:
         return ((u + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _chunk_ap(q_s, k_s, g_s, bqk_s, x_s, rk, rows, K: gl.constexpr, BL: gl.constexpr, M32: gl.constexpr):
-        """Raw P^T and A^T of one chunk into x_s ([64(s), 128] fp32; columns 32 i + j: P^T[s, 16 i + j],
-        columns 32 i + 16 + j: A^T[s, 16 i + j]; unmasked, without the t-side norms, beta and scale):
-        per row block i one transposed dot with N = 32 (the block's 16 q rows, then its 16 k rows)."""
+    def _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
+                  M32: gl.constexpr):
+        """Raw P^T and A^T of one chunk into pa3_s ([2, 64(s), 64(t)] fp32: P^T, A^T; unmasked, without the
+        t-side norms, beta and scale): per row block i one transposed dot with N = 32, its left operand
+        (k e^{mid_i - G}, rows past the block zeroed) and right operand (the block's 16 q rows, then
+        its 16 k rows, times e^{G - mid_i}) written to shared memory."""
         kn = k_s.load(BL).to(gl.float32) * rk[:, None]
+        G = g_s.load(BL)
         for i in gl.static_range(4):
-            G = g_s.load(BL)
-            mid = g_s.slice(16 * i + 7, 1).load(BL)
-            lk = gl.where((rows < 16 * (i + 1))[:, None], kn * _exp(mid - G), 0.0)
-            lk = gl.convert_layout(_tf32r(lk), gl.DotOperandLayout(0, M32, 1))
+            mid = g1_s.slice(K * (16 * i + 7), K).load(gl.SliceLayout(0, BL))[None, :]
+            lk_s.store(_tf32r(gl.where((rows < 16 * (i + 1))[:, None], kn * _exp(mid - G), 0.0)))
             e = _exp(g_s.slice(16 * i, 16).load(BL) - mid)
             bqk_s.slice(0, 16).store(_tf32r(q_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
             bqk_s.slice(16, 16).store(_tf32r(k_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
             fence_async_shared()
             gl.thread_barrier()
-            x = warpgroup_mma(lk, bqk_s.permute((1, 0)), gl.zeros([64, 32], gl.float32, M32), use_acc=False)
-            x_s.slice(32 * i, 32, dim=1).store(x)
+            x = warpgroup_mma(lk_s, bqk_s.permute((1, 0)), gl.zeros([64, 32], gl.float32, M32), use_acc=False)
+            pa3_s.slice(16 * i, 16, dim=2).permute((1, 0, 2)).store(gl.reshape(x, [64, 2, 16]))
             gl.thread_barrier()
 
     @gluon.jit
@@ -135,32 +136,42 @@ if _IMPORTED:
         BLC: gl.constexpr = gl.SliceLayout(0, BL)
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NW, 1], [1, 0])
         L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [4, WN, 1], [2, 1, 0])
         M32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 32 // WN, 8])
         M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 64 // WN, 8])
         MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, BV // WN, 8])
         MV16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
                                                        instr_shape=[16, BV // WN, 16])
+        PLAIN1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
-        # Shared memory; buffers of different phases share bytes (reinterpreted views):
-        #   A/P phase: bqk_s (in y_s), x_s (in pa_s);  inverse: y_s, pt_s (in pa_s);
-        #   state phase: r_s then vn_s (in pa_s), kg_s (in y_s), s_s.  q_s, k_s, g_s live all chunk.
+        # Shared memory; buffers of different phases share bytes (reinterpreted views).  Per chunk:
+        #   load:    q_s, k_s (raw inputs), g_s (G) -- q_s / k_s / g_s then hold qg / kg / Xw (state phase)
+        #   A / P:   lk_s (in sx_s), bqk_s (in y_s), P^T / A^T in pa_s
+        #   inverse: Ad / Td (pt_s, in pa_s), ad_s, A_off^T and Horner iterates (y_s), -N (n_s, in pa_s)
+        #   state:   T (in y_s), s_s (in sx_s), R^T then Vn (in pa_s), P (p_s, from the A / P phase)
+        NV: gl.constexpr = gl.NVMMASharedLayout.get_default_for
         q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
         g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
+        g1_s = g_s._reinterpret(gl.float32, [64 * K], PLAIN1)
+        qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
+        kg_s = k_s._reinterpret(dt, [64, K], NV([64, K], dt))
+        xw_s = g_s._reinterpret(dt, [64, K], NV([64, K], dt))
         pa_s = gl.allocate_shared_memory(gl.float32, [128, 64], PLAIN2)
+        pa3_s = pa_s._reinterpret(gl.float32, [2, 64, 64], PLAIN3)
         pt_s = pa_s.slice(0, 64)
-        x_s = pa_s._reinterpret(gl.float32, [64, 128], PLAIN2)
-        x3_s = pa_s._reinterpret(gl.float32, [64, 4, 32], PLAIN3)
-        y_s = gl.allocate_shared_memory(gl.float32, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], gl.float32))
-        bqk_s = y_s._reinterpret(gl.float32, [32, K], gl.NVMMASharedLayout.get_default_for([32, K], gl.float32))
-        r_s = pa_s._reinterpret(gl.float32, [BV, 64], gl.NVMMASharedLayout.get_default_for([BV, 64], gl.float32))
-        vn_s = pa_s._reinterpret(dt, [64, BV], gl.NVMMASharedLayout.get_default_for([64, BV], dt))
-        kg_s = y_s._reinterpret(dt, [64, K], gl.NVMMASharedLayout.get_default_for([64, K], dt))
+        at_s = pa_s.slice(64, 64)
+        n_s = pa_s._reinterpret(gl.float32, [128, 64], NV([128, 64], gl.float32)).slice(64, 64)
+        r_s = pa_s._reinterpret(gl.float32, [BV, 64], NV([BV, 64], gl.float32))
+        vn_s = pa_s._reinterpret(dt, [64, BV], NV([64, BV], dt))
+        y_s = gl.allocate_shared_memory(gl.float32, [64, 64], NV([64, 64], gl.float32))
+        bqk_s = y_s._reinterpret(gl.float32, [32, K], NV([32, K], gl.float32))
+        sx_s = gl.allocate_shared_memory(gl.float32, [64, K], NV([64, K], gl.float32))
+        lk_s = sx_s
+        s_s = sx_s._reinterpret(dt, [K, BV], NV([K, BV], dt))
         ad_s = gl.allocate_shared_memory(gl.float32, [64, 16], PLAIN2)
-        s_s = gl.allocate_shared_memory(dt, [K, BV], gl.NVMMASharedLayout.get_default_for([K, BV], dt))
+        p_s = gl.allocate_shared_memory(dt, [64, 64], NV([64, 64], dt))
 
         i_nh = gl.program_id(0)
         i_v = gl.program_id(1)
@@ -182,7 +193,6 @@ if _IMPORTED:
 
         rows = gl.arange(0, 64, layout=BLR)
         colk = gl.arange(0, K, layout=BLC)
-        colv = gl.arange(0, BV, layout=BLC)
         tr = gl.arange(0, 64, layout=gl.SliceLayout(1, M64))
         sc = gl.arange(0, 64, layout=gl.SliceLayout(0, M64))
         orow = gl.arange(0, 64, layout=gl.SliceLayout(1, MV16))
@@ -194,6 +204,7 @@ if _IMPORTED:
             nr = eos - t0
             m_t = rows < nr
             row64 = (t0 + rows).to(gl.int64) * H + i_h
+            orow64 = (t0 + orow).to(gl.int64) * H + i_h
             mk = m_t[:, None] & (colk[None, :] < K)
             bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
             bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
@@ -219,86 +230,89 @@ if _IMPORTED:
             gl.thread_barrier()
 
             # ---- A, P (raw transposed pieces), then masks and row scales in [t, s] orientation
-            _chunk_ap(q_s, k_s, g_s, bqk_s, x_s, rk, rows, K, BL, M32)
-            P = gl.convert_layout(gl.reshape(x3_s.slice(0, 16, dim=2).permute((1, 2, 0)).load(LX), [64, 64]), M64)
-            A = gl.convert_layout(gl.reshape(x3_s.slice(16, 16, dim=2).permute((1, 2, 0)).load(LX), [64, 64]), M64)
+            _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K, BL, M32)
+            P = pt_s.permute((1, 0)).load(M64)
+            A = at_s.permute((1, 0)).load(M64)
             rq_t = gl.convert_layout(rq * scale, gl.SliceLayout(1, M64))
             bk_t = gl.convert_layout(bb * rk, gl.SliceLayout(1, M64))
             P = gl.where(sc[None, :] <= tr[:, None], P * rq_t[:, None], 0.0)
             A = gl.where(sc[None, :] < tr[:, None], A * bk_t[:, None], 0.0)
+            p_s.store(P.to(dt))
             same = (tr[:, None] // 16) == (sc[None, :] // 16)
             gl.thread_barrier()
             pt_s.store(gl.where(same, A, 0.0))
             y_s.store(gl.permute(_tf32r(gl.where(same, 0.0, A)), (1, 0)))  # A_off^T: K-major operand
             gl.thread_barrier()
 
-            # ---- T = (I + A)^-1
+            # ---- T = (I + A)^-1 = Td - N (Td - N (Td - N Td)),  N = Td A_off
             _diag_inverse(pt_s, ad_s, L16, L3, PLAIN3)
             Td = pt_s.load(M64)
             fence_async_shared()
-            D64: gl.constexpr = gl.DotOperandLayout(0, M64, 1)
-            N = warpgroup_mma(gl.convert_layout(_tf32r(Td), D64), y_s.permute((1, 0)),
+            N = warpgroup_mma(_tf32r(pt_s.load(gl.DotOperandLayout(0, M64, 1))), y_s.permute((1, 0)),
                               gl.zeros([64, 64], gl.float32, M64), use_acc=False)
-            nneg = gl.convert_layout(_tf32r(-N), D64)
+            gl.thread_barrier()
+            n_s.store(_tf32r(-N))
             Y = Td
             for _ in gl.static_range(3):
                 gl.thread_barrier()
                 y_s.store(gl.permute(_tf32r(Y), (1, 0)))
                 fence_async_shared()
                 gl.thread_barrier()
-                Y = warpgroup_mma(nneg, y_s.permute((1, 0)), Td)
+                Y = warpgroup_mma(n_s, y_s.permute((1, 0)), Td)
 
-            # ---- R = beta v - (beta k e^G) S;  Vn = T R
+            # ---- operands of the state phase: T, Xw = beta k e^G, qg = scale q e^G, kg = k e^{gl - G}
             gl.thread_barrier()
+            y_s.store(_tf32r(Y))
             s_s.store(S.to(dt))
-            mv = m_t[:, None] & (colv[None, :] < BV)
-            bv = gl.load(v + row64[:, None] * V + v0 + colv[None, :], mask=mv, other=0.0).to(gl.float32)
             G = g_s.load(BL)
+            glast = g1_s.slice(K * 63, K).load(gl.SliceLayout(0, BL))[None, :]
+            egl = _exp(g1_s.slice(K * 63, K).load(gl.SliceLayout(1, MV16)))
+            kf = k_s.load(BL).to(gl.float32) * rk[:, None]
+            qr = q_s.load(BL)
+            gl.thread_barrier()  # q_s, k_s, g_s are read: their bytes take qg, kg, Xw
             eG = _exp(G)
-            kf = k_s.load(BL).to(gl.float32)
-            xw = gl.convert_layout((-(bb * rk)[:, None] * kf * eG).to(dt), gl.DotOperandLayout(0, MV16, 2))
+            xw_s.store((-bb[:, None] * kf * eG).to(dt))
+            kg_s.store((kf * _exp(glast - G)).to(dt))
+            qg_s.store((qr.to(gl.float32) * (rq * scale)[:, None] * eG).to(dt))
             fence_async_shared()
             gl.thread_barrier()
-            R = warpgroup_mma(xw, s_s, gl.convert_layout(bv * bb[:, None], MV16))
+
+            # ---- R = beta v - Xw S;  Vn = T R
+            bv = gl.load(v + orow64[:, None] * V + v0 + scol[None, :], mask=(orow < nr)[:, None] & (scol[None, :] < BV),
+                         other=0.0).to(gl.float32)
+            bvb = gl.load(beta + orow64, mask=orow < nr, other=0.0).to(gl.float32)
+            if BSIG:
+                bvb = 1.0 / (1.0 + _exp(-bvb))
+            R = warpgroup_mma(xw_s, s_s, bv * bvb[:, None])
             r_s.store(gl.permute(_tf32r(R), (1, 0)))
             fence_async_shared()
             gl.thread_barrier()
-            Vn = warpgroup_mma(gl.convert_layout(_tf32r(Y), gl.DotOperandLayout(0, MV8, 1)), r_s.permute((1, 0)),
-                               gl.zeros([64, BV], gl.float32, MV8), use_acc=False)
+            Vn = warpgroup_mma(y_s, r_s.permute((1, 0)), gl.zeros([64, BV], gl.float32, MV8), use_acc=False)
             gl.thread_barrier()  # vn_s shares r_s's bytes
             vn_s.store(Vn.to(dt))
-
-            # ---- O = (scale q e^G) S + P Vn
-            qf = q_s.load(BL).to(gl.float32)
-            qg = gl.convert_layout(((rq * scale)[:, None] * qf * eG).to(dt), gl.DotOperandLayout(0, MV16, 2))
-            pd = gl.convert_layout(P.to(dt), gl.DotOperandLayout(0, MV16, 2))
-            glast = g_s.slice(63, 1).load(BL)
-            kg_s.store((kf * rk[:, None] * _exp(glast - G)).to(dt))
             fence_async_shared()
             gl.thread_barrier()
-            O = warpgroup_mma(qg, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False)
-            O = warpgroup_mma(pd, vn_s, O)
-            ooff = (t0 + orow).to(gl.int64) * H + i_h
-            gl.store(o + ooff[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
-                     mask=(orow < nr)[:, None] & (scol[None, :] < BV))
 
-            # ---- S <- e^gl S + kg^T Vn
-            egl = gl.convert_layout(gl.sum(_exp(glast), axis=0), gl.SliceLayout(1, MV16))
+            # ---- O = qg S + P Vn;  S <- e^gl S + kg^T Vn
+            O = warpgroup_mma(qg_s, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False)
+            O = warpgroup_mma(p_s, vn_s, O)
+            gl.store(o + orow64[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
+                     mask=(orow < nr)[:, None] & (scol[None, :] < BV))
             S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None])
         if STORE_HT:
             gl.store(ht + soff, S)
 
 
-WARPS = 8  # two warpgroups side by side along the value columns (4: one warpgroup)
+WARPS = 8  # two warpgroups side by side along the value columns
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
 
 def _value_block(V: int, NH: int) -> int:
     """Value block per program: all of V when that gives at least ~3/4 of the SMs a program (the
-    intra-chunk work is then done once per (sequence, head)), else halved (a program per SM is the
-    occupancy: ~200 KB of shared memory each)."""
+    intra-chunk work is then done once per (sequence, head)), else 64 (one program per SM is the
+    occupancy: ~165 KB of shared memory each)."""
     bv = V
-    while bv > 32 and NH * (V // bv) < 96:
+    while bv > 64 and NH * (V // bv) < 96:
         bv //= 2
     return bv
 
