@@ -147,6 +147,6 @@ def test_gpu_gluon_pinned_bound():
 
 @pytest.mark.gpu
 def test_gpu_gluon_few_heads_value_blocks():
-    # N * H = 2: two value blocks of 64 per (sequence, head); no initial state
+    # N * H = 2: two value blocks of 64 per (sequence, head)
     x = _inputs(200, 1, 128, 128, torch.bfloat16, gate=False, l2=True, bsig=False, N=2, B=2)
     _check(x, l2=True, bsig=False)
