@@ -37,6 +37,7 @@ from k3.ops.triton_utils import INTERPRETED
 try:  # Gluon's API changes between Triton releases: this file is written against Triton 3.6.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
     _IMPORTED = True
@@ -75,6 +76,21 @@ if _IMPORTED:
         """fp32 -> nearest tf32 value (the tensor cores would truncate the 13 low mantissa bits)."""
         u = x.to(gl.uint32, bitcast=True)
         return ((u + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _prefetch(q, k, g, qd_s, kd_s, gd_s, row0, nr, i_h, H: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
+                  GPF: gl.constexpr):
+        """Start the asynchronous copies (cp.async) of a chunk's q, k (and g when GPF) rows into shared
+        memory; rows past the sequence end are not read (the consumer masks them)."""
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
+        colk = gl.arange(0, K, layout=gl.SliceLayout(0, BL))
+        off = ((row0 + rows).to(gl.int64) * H + i_h)[:, None] * K + colk[None, :]
+        mk = (rows < nr)[:, None] & (colk[None, :] < K)
+        async_copy.async_copy_global_to_shared(qd_s, q + off, mask=mk)
+        async_copy.async_copy_global_to_shared(kd_s, k + off, mask=mk)
+        if GPF:
+            async_copy.async_copy_global_to_shared(gd_s, g + off, mask=mk)
+        async_copy.commit_group()
 
     @gluon.jit
     def _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
@@ -126,7 +142,7 @@ if _IMPORTED:
     @gluon.jit
     def _kda_fwd_gluon(
         q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, lower_bound,
-        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr,
+        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr, PREFETCH: gl.constexpr,
         GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
     ):
         dt: gl.constexpr = q.dtype.element_ty
@@ -151,12 +167,12 @@ if _IMPORTED:
         #   inverse: Ad / Td (pt_s, in pa_s), ad_s, A_off^T and Horner iterates (y_s), -N (n_s, in pa_s)
         #   state:   T (in y_s), s_s (in sx_s), R^T then Vn (in pa_s), P (p_s, from the A / P phase)
         NV: gl.constexpr = gl.NVMMASharedLayout.get_default_for
-        q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
-        k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
+        GPF: gl.constexpr = PREFETCH and g.dtype.element_ty.primitive_bitwidth == 16  # prefetch g (fp32: no room)
+        q2_s = gl.allocate_shared_memory(dt, [2, 64, K], PLAIN2)  # double-buffered: chunk c and c + 1
+        k2_s = gl.allocate_shared_memory(dt, [2, 64, K], PLAIN2)
+        gr_s = gl.allocate_shared_memory(g.dtype.element_ty, [64 if GPF else 1, K], PLAIN2)
         g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
         g1_s = g_s._reinterpret(gl.float32, [64 * K], PLAIN1)
-        qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
-        kg_s = k_s._reinterpret(dt, [64, K], NV([64, K], dt))
         xw_s = g_s._reinterpret(dt, [64, K], NV([64, K], dt))
         pa_s = gl.allocate_shared_memory(gl.float32, [128, 64], PLAIN2)
         pa3_s = pa_s._reinterpret(gl.float32, [2, 64, 64], PLAIN3)
@@ -199,6 +215,8 @@ if _IMPORTED:
         if GATE:
             a_h = _exp(gl.load(A_log + i_h).to(gl.float32))
             bias = gl.load(dt_bias + i_h * K + colk).to(gl.float32)
+        if PREFETCH and nt > 0:
+            _prefetch(q, k, g, q2_s.index(0), k2_s.index(0), gr_s, bos, eos - bos, i_h, H, K, BL, GPF)
         for c in range(nt):
             t0 = bos + c * 64
             nr = eos - t0
@@ -206,9 +224,27 @@ if _IMPORTED:
             row64 = (t0 + rows).to(gl.int64) * H + i_h
             orow64 = (t0 + orow).to(gl.int64) * H + i_h
             mk = m_t[:, None] & (colk[None, :] < K)
-            bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-            bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-            bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
+            q_s = q2_s.index(c % 2)
+            k_s = k2_s.index(c % 2)
+            qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
+            kg_s = k_s._reinterpret(dt, [64, K], NV([64, K], dt))
+            if PREFETCH:
+                async_copy.wait_group(0)
+                gl.thread_barrier()
+                zero = gl.zeros([64, K], dt, BL)
+                bq = gl.where(mk, q_s.load(BL), zero)
+                bk = gl.where(mk, k_s.load(BL), zero)
+            else:
+                bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+                bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+            if GPF:
+                bg = gl.where(mk, gr_s.load(BL).to(gl.float32), 0.0)
+            else:
+                bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
+            gl.thread_barrier()  # gr_s and the other q / k buffer (chunk c - 1's) are free
+            if PREFETCH and c + 1 < nt:
+                _prefetch(q, k, g, q2_s.index((c + 1) % 2), k2_s.index((c + 1) % 2), gr_s, t0 + 64, nr - 64, i_h,
+                          H, K, BL, GPF)
             if GATE:
                 bg = gl.where(mk, lower_bound / (1.0 + _exp(-a_h * (bg + bias[None, :]))), 0.0)
             bb = gl.load(beta + row64, mask=m_t, other=0.0).to(gl.float32)
@@ -223,8 +259,7 @@ if _IMPORTED:
                 rq = gl.full([64], 1.0, gl.float32, BLR)
                 rk = gl.full([64], 1.0, gl.float32, BLR)
             G = gl.associative_scan(bg, 0, _add)
-            gl.thread_barrier()  # the previous chunk's readers of q_s, k_s, g_s are done
-            q_s.store(bq)
+            q_s.store(bq)  # rows past the sequence end as zeros
             k_s.store(bk)
             g_s.store(G)
             gl.thread_barrier()
@@ -304,6 +339,7 @@ if _IMPORTED:
 
 
 WARPS = 8  # two warpgroups side by side along the value columns
+PREFETCH = True  # cp.async of chunk c + 1's q, k, g while chunk c computes
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
 
@@ -332,7 +368,7 @@ def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N
     _kda_fwd_gluon[(N * H, V // BV)](
         q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
         h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens, float(scale), float(lower_bound),
-        H=H, K=K, V=V, BV=BV, NW=WARPS, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
+        H=H, K=K, V=V, BV=BV, NW=WARPS, PREFETCH=PREFETCH, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
         STORE_HT=ht is not None, num_warps=WARPS,
     )
     return o, ht
