@@ -78,6 +78,11 @@ if _IMPORTED:
         return ((u + 0x1000) & 0xFFFFE000).to(gl.float32, bitcast=True)
 
     @gluon.jit
+    def _clock():
+        """SM cycle counter (profiling builds only)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
     def _prefetch(q, k, g, qd_s, kd_s, gd_s, row0, nr, i_h, H: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
                   GPF: gl.constexpr):
         """Start the asynchronous copies (cp.async) of a chunk's q, k (and g when GPF) rows into shared
@@ -141,9 +146,10 @@ if _IMPORTED:
 
     @gluon.jit
     def _kda_fwd_gluon(
-        q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, lower_bound,
+        q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, prof, scale, lower_bound,
         H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr, PREFETCH: gl.constexpr,
         GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
+        PROFILE: gl.constexpr,
     ):
         dt: gl.constexpr = q.dtype.element_ty
         WN: gl.constexpr = NW // 4  # warpgroups side by side along the dots' N
@@ -215,6 +221,11 @@ if _IMPORTED:
         if GATE:
             a_h = _exp(gl.load(A_log + i_h).to(gl.float32))
             bias = gl.load(dt_bias + i_h * K + colk).to(gl.float32)
+        t_load = gl.to_tensor(0).to(gl.int64)  # PROFILE: cycles per phase, summed over the chunks
+        t_ap = t_load
+        t_inv = t_load
+        t_ops = t_load
+        t_state = t_load
         if PREFETCH and nt > 0:
             _prefetch(q, k, g, q2_s.index(0), k2_s.index(0), gr_s, bos, eos - bos, i_h, H, K, BL, GPF)
         for c in range(nt):
@@ -224,6 +235,8 @@ if _IMPORTED:
             row64 = (t0 + rows).to(gl.int64) * H + i_h
             orow64 = (t0 + orow).to(gl.int64) * H + i_h
             mk = m_t[:, None] & (colk[None, :] < K)
+            if PROFILE:
+                c0 = _clock()
             q_s = q2_s.index(c % 2)
             k_s = k2_s.index(c % 2)
             qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
@@ -264,6 +277,9 @@ if _IMPORTED:
             g_s.store(G)
             gl.thread_barrier()
 
+            if PROFILE:
+                c1 = _clock()
+                t_load += c1 - c0
             # ---- A, P (raw transposed pieces), then masks and row scales in [t, s] orientation
             _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K, BL, M32)
             P = pt_s.permute((1, 0)).load(M64)
@@ -279,6 +295,9 @@ if _IMPORTED:
             y_s.store(gl.permute(_tf32r(gl.where(same, 0.0, A)), (1, 0)))  # A_off^T: K-major operand
             gl.thread_barrier()
 
+            if PROFILE:
+                c2 = _clock()
+                t_ap += c2 - c1
             # ---- T = (I + A)^-1 = Td - N (Td - N (Td - N Td)),  N = Td A_off
             _diag_inverse(pt_s, ad_s, L16, L3, PLAIN3)
             Td = pt_s.load(M64)
@@ -295,6 +314,9 @@ if _IMPORTED:
                 gl.thread_barrier()
                 Y = warpgroup_mma(n_s, y_s.permute((1, 0)), Td)
 
+            if PROFILE:
+                c3 = _clock()
+                t_inv += c3 - c2
             # ---- operands of the state phase: T, Xw = beta k e^G, qg = scale q e^G, kg = k e^{gl - G}
             gl.thread_barrier()
             y_s.store(_tf32r(Y))
@@ -312,6 +334,9 @@ if _IMPORTED:
             fence_async_shared()
             gl.thread_barrier()
 
+            if PROFILE:
+                c4 = _clock()
+                t_ops += c4 - c3
             # ---- R = beta v - Xw S;  Vn = T R
             bv = gl.load(v + orow64[:, None] * V + v0 + scol[None, :], mask=(orow < nr)[:, None] & (scol[None, :] < BV),
                          other=0.0).to(gl.float32)
@@ -334,12 +359,22 @@ if _IMPORTED:
             gl.store(o + orow64[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
                      mask=(orow < nr)[:, None] & (scol[None, :] < BV))
             S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None])
+            if PROFILE:
+                t_state += _clock() - c4
         if STORE_HT:
             gl.store(ht + soff, S)
+        if PROFILE:
+            pp = prof + (i_nh * gl.num_programs(1) + i_v) * 5
+            gl.store(pp, t_load)
+            gl.store(pp + 1, t_ap)
+            gl.store(pp + 2, t_inv)
+            gl.store(pp + 3, t_ops)
+            gl.store(pp + 4, t_state)
 
 
 WARPS = 8  # two warpgroups side by side along the value columns
 PREFETCH = True  # cp.async of chunk c + 1's q, k, g while chunk c computes
+PROFILE: torch.Tensor | None = None  # int64 [programs, 5]: cycles per phase (load, A/P, inverse, operands, state)
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
 
@@ -367,8 +402,9 @@ def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N
     BV = min(V, VALUE_BLOCK) if VALUE_BLOCK is not None else _value_block(V, N * H)
     _kda_fwd_gluon[(N * H, V // BV)](
         q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
-        h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens, float(scale), float(lower_bound),
+        h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens,
+        PROFILE if PROFILE is not None else cu_seqlens, float(scale), float(lower_bound),
         H=H, K=K, V=V, BV=BV, NW=WARPS, PREFETCH=PREFETCH, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
-        STORE_HT=ht is not None, num_warps=WARPS,
+        STORE_HT=ht is not None, PROFILE=PROFILE is not None, num_warps=WARPS,
     )
     return o, ht
