@@ -37,7 +37,6 @@ from k3.ops.triton_utils import INTERPRETED
 try:  # Gluon's API changes between Triton releases: this file is written against Triton 3.6.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
     _IMPORTED = True
@@ -64,10 +63,6 @@ def supported(q: torch.Tensor, v: torch.Tensor) -> bool:
 if _IMPORTED:
 
     @gluon.jit
-    def _add(a, b):
-        return a + b
-
-    @gluon.jit
     def _exp(x):
         return gl.exp2(x * 1.4426950408889634)
 
@@ -81,21 +76,6 @@ if _IMPORTED:
     def _clock():
         """SM cycle counter (profiling builds only)."""
         return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _prefetch(q, k, g, qd_s, kd_s, gd_s, row0, nr, i_h, H: gl.constexpr, K: gl.constexpr, BL: gl.constexpr,
-                  GPF: gl.constexpr):
-        """Start the asynchronous copies (cp.async) of a chunk's q, k (and g when GPF) rows into shared
-        memory; rows past the sequence end are not read (the consumer masks them)."""
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, BL))
-        colk = gl.arange(0, K, layout=gl.SliceLayout(0, BL))
-        off = ((row0 + rows).to(gl.int64) * H + i_h)[:, None] * K + colk[None, :]
-        mk = (rows < nr)[:, None] & (colk[None, :] < K)
-        async_copy.async_copy_global_to_shared(qd_s, q + off, mask=mk)
-        async_copy.async_copy_global_to_shared(kd_s, k + off, mask=mk)
-        if GPF:
-            async_copy.async_copy_global_to_shared(gd_s, g + off, mask=mk)
-        async_copy.commit_group()
 
     @gluon.jit
     def _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
@@ -121,21 +101,23 @@ if _IMPORTED:
     @gluon.jit
     def _diag_inverse(pt_s, ad_s, L16: gl.constexpr, L3: gl.constexpr, PLAIN3: gl.constexpr):
         """pt_s holds the block-diagonal part Ad of A ([64, 64], zeros off the 16x16 diagonal blocks).
-        Overwrites its diagonal blocks with (I + Ad_b)^-1 (forward substitution, warp b on block b).
+        Overwrites its diagonal blocks with (I + Ad_b)^-1 by forward substitution.  L3 keeps a block's
+        16 rows in one thread's registers (a thread owns one column of one block), so each of the 15
+        steps is thread-local: a 16-term dot with the step's row of A_b, read from shared memory.
         ad_s: [64, 16] fp32 scratch, the four blocks stacked (seen as [4, 16, 16])."""
         for b in gl.static_range(4):
             ad_s.slice(16 * b, 16).store(pt_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(L16))
         gl.thread_barrier()
-        ad3_s = ad_s._reinterpret(gl.float32, [4, 16, 16], PLAIN3)
-        a3t = ad3_s.permute((0, 2, 1)).load(L3)  # a3t[b, s, r] = A_b[r, s]
+        ad3_s = ad_s._reinterpret(gl.float32, [4, 16, 16], PLAIN3)  # [b, r, s] = A_b[r, s]
+        adt_s = ad3_s.permute((0, 2, 1))  # [b, s, r]
         r1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
         c1 = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
         r3 = r1[None, :, None]
         c3 = c1[None, None, :]
-        x3 = gl.zeros([4, 16, 16], gl.float32, L3) + gl.where(r3 == c3, 1.0, 0.0)
+        x3 = gl.zeros([4, 16, 16], gl.float32, L3) + gl.where(r3 == c3, 1.0, 0.0)  # x3[b, s, c] = Td_b[s, c]
         for j in gl.static_range(1, 16):
-            coef = gl.sum(gl.where(c3 == j, a3t, 0.0), axis=2)  # [4, 16(s)] = A_b[j, s]
-            row = gl.sum(coef[:, :, None] * x3, axis=1)  # [4, 16(c)] = sum_s A_b[j, s] X_b[s, c]
+            coef = adt_s.slice(j, 1, dim=2).load(L3)  # [4, 16, 1] = A_b[j, s]
+            row = gl.sum(coef * x3, axis=1)  # [4, 16(c)] = sum_s A_b[j, s] Td_b[s, c]
             x3 = gl.where(r3 == j, x3 - row[:, None, :], x3)
         gl.thread_barrier()
         ad3_s.store(x3)
@@ -147,7 +129,7 @@ if _IMPORTED:
     @gluon.jit
     def _kda_fwd_gluon(
         q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, prof, scale, lower_bound,
-        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr, PREFETCH: gl.constexpr,
+        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr,
         GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
         PROFILE: gl.constexpr,
     ):
@@ -157,7 +139,8 @@ if _IMPORTED:
         BLR: gl.constexpr = gl.SliceLayout(1, BL)
         BLC: gl.constexpr = gl.SliceLayout(0, BL)
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NW, 1], [1, 0])
-        L3: gl.constexpr = gl.BlockedLayout([1, 2, 2], [1, 4, 8], [NW, 1, 1], [2, 1, 0])
+        L3: gl.constexpr = gl.BlockedLayout([1, 16, 1], [2, 1, 16], [NW, 1, 1], [2, 1, 0])
+        MG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, K // WN, 8])
         M32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 32 // WN, 8])
         M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 64 // WN, 8])
         MV8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, BV // WN, 8])
@@ -173,10 +156,10 @@ if _IMPORTED:
         #   inverse: Ad / Td (pt_s, in pa_s), ad_s, A_off^T and Horner iterates (y_s), -N (n_s, in pa_s)
         #   state:   T (in y_s), s_s (in sx_s), R^T then Vn (in pa_s), P (p_s, from the A / P phase)
         NV: gl.constexpr = gl.NVMMASharedLayout.get_default_for
-        GPF: gl.constexpr = PREFETCH and g.dtype.element_ty.primitive_bitwidth == 16  # prefetch g (fp32: no room)
-        q2_s = gl.allocate_shared_memory(dt, [2, 64, K], PLAIN2)  # double-buffered: chunk c and c + 1
-        k2_s = gl.allocate_shared_memory(dt, [2, 64, K], PLAIN2)
-        gr_s = gl.allocate_shared_memory(g.dtype.element_ty, [64 if GPF else 1, K], PLAIN2)
+        q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
+        k_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
+        qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
+        kg_s = k_s._reinterpret(dt, [64, K], NV([64, K], dt))
         g_s = gl.allocate_shared_memory(gl.float32, [64, K], PLAIN2)
         g1_s = g_s._reinterpret(gl.float32, [64 * K], PLAIN1)
         xw_s = g_s._reinterpret(dt, [64, K], NV([64, K], dt))
@@ -191,6 +174,8 @@ if _IMPORTED:
         bqk_s = y_s._reinterpret(gl.float32, [32, K], NV([32, K], gl.float32))
         sx_s = gl.allocate_shared_memory(gl.float32, [64, K], NV([64, K], gl.float32))
         lk_s = sx_s
+        gt_s = sx_s._reinterpret(gl.float32, [K, 64], NV([K, 64], gl.float32))
+        lt_s = gl.allocate_shared_memory(gl.float32, [64, 64], NV([64, 64], gl.float32))
         s_s = sx_s._reinterpret(dt, [K, BV], NV([K, BV], dt))
         ad_s = gl.allocate_shared_memory(gl.float32, [64, 16], PLAIN2)
         p_s = gl.allocate_shared_memory(dt, [64, 64], NV([64, 64], dt))
@@ -226,8 +211,10 @@ if _IMPORTED:
         t_inv = t_load
         t_ops = t_load
         t_state = t_load
-        if PREFETCH and nt > 0:
-            _prefetch(q, k, g, q2_s.index(0), k2_s.index(0), gr_s, bos, eos - bos, i_h, H, K, BL, GPF)
+        # the 0/1 lower triangle: G = L g is the within-chunk cumulative sum (tensor cores, exact products)
+        EXACT_G: gl.constexpr = (not GATE) and g.dtype.element_ty.primitive_bitwidth == 16  # g is a tf32 value
+        lt_s.store(gl.where(sc[None, :] <= tr[:, None], 1.0, 0.0) + gl.zeros([64, 64], gl.float32, M64))
+        fence_async_shared()
         for c in range(nt):
             t0 = bos + c * 64
             nr = eos - t0
@@ -237,27 +224,9 @@ if _IMPORTED:
             mk = m_t[:, None] & (colk[None, :] < K)
             if PROFILE:
                 c0 = _clock()
-            q_s = q2_s.index(c % 2)
-            k_s = k2_s.index(c % 2)
-            qg_s = q_s._reinterpret(dt, [64, K], NV([64, K], dt))
-            kg_s = k_s._reinterpret(dt, [64, K], NV([64, K], dt))
-            if PREFETCH:
-                async_copy.wait_group(0)
-                gl.thread_barrier()
-                zero = gl.zeros([64, K], dt, BL)
-                bq = gl.where(mk, q_s.load(BL), zero)
-                bk = gl.where(mk, k_s.load(BL), zero)
-            else:
-                bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-                bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-            if GPF:
-                bg = gl.where(mk, gr_s.load(BL).to(gl.float32), 0.0)
-            else:
-                bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
-            gl.thread_barrier()  # gr_s and the other q / k buffer (chunk c - 1's) are free
-            if PREFETCH and c + 1 < nt:
-                _prefetch(q, k, g, q2_s.index((c + 1) % 2), k2_s.index((c + 1) % 2), gr_s, t0 + 64, nr - 64, i_h,
-                          H, K, BL, GPF)
+            bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+            bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+            bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
             if GATE:
                 bg = gl.where(mk, lower_bound / (1.0 + _exp(-a_h * (bg + bias[None, :]))), 0.0)
             bb = gl.load(beta + row64, mask=m_t, other=0.0).to(gl.float32)
@@ -271,9 +240,26 @@ if _IMPORTED:
             else:
                 rq = gl.full([64], 1.0, gl.float32, BLR)
                 rk = gl.full([64], 1.0, gl.float32, BLR)
-            G = gl.associative_scan(bg, 0, _add)
+            gl.thread_barrier()  # the previous chunk's readers of q_s, k_s, g_s, sx_s are done
             q_s.store(bq)  # rows past the sequence end as zeros
             k_s.store(bk)
+            zg = gl.zeros([64, K], gl.float32, MG)
+            if EXACT_G:
+                gt_s.store(gl.permute(bg, (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                G = warpgroup_mma(lt_s, gt_s.permute((1, 0)), zg, use_acc=False)
+            else:  # g = hi + lo, both parts exact in tf32 up to 2^-22 |g|
+                hi = _tf32r(bg)
+                gt_s.store(gl.permute(hi, (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                G = warpgroup_mma(lt_s, gt_s.permute((1, 0)), zg, use_acc=False)
+                gl.thread_barrier()
+                gt_s.store(gl.permute(bg - hi, (1, 0)))
+                fence_async_shared()
+                gl.thread_barrier()
+                G = warpgroup_mma(lt_s, gt_s.permute((1, 0)), G)
             g_s.store(G)
             gl.thread_barrier()
 
@@ -373,7 +359,6 @@ if _IMPORTED:
 
 
 WARPS = 8  # two warpgroups side by side along the value columns
-PREFETCH = True  # cp.async of chunk c + 1's q, k, g while chunk c computes
 PROFILE: torch.Tensor | None = None  # int64 [programs, 5]: cycles per phase (load, A/P, inverse, operands, state)
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
@@ -404,7 +389,7 @@ def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N
         q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
         h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens,
         PROFILE if PROFILE is not None else cu_seqlens, float(scale), float(lower_bound),
-        H=H, K=K, V=V, BV=BV, NW=WARPS, PREFETCH=PREFETCH, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
+        H=H, K=K, V=V, BV=BV, NW=WARPS, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
         STORE_HT=ht is not None, PROFILE=PROFILE is not None, num_warps=WARPS,
     )
     return o, ht
