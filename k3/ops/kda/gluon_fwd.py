@@ -78,17 +78,26 @@ if _IMPORTED:
         return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
     @gluon.jit
-    def _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K: gl.constexpr, BL: gl.constexpr,
-                  M32: gl.constexpr):
+    def _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk3, K: gl.constexpr, BL: gl.constexpr,
+                  BL3: gl.constexpr, M32: gl.constexpr):
         """Raw P^T and A^T of one chunk into pa3_s ([2, 64(s), 64(t)] fp32: P^T, A^T; unmasked, without the
-        t-side norms, beta and scale): per row block i one transposed dot with N = 32, its left operand
-        (k e^{mid_i - G}, rows past the block zeroed) and right operand (the block's 16 q rows, then
-        its 16 k rows, times e^{G - mid_i}) written to shared memory."""
-        kn = k_s.load(BL).to(gl.float32) * rk[:, None]
-        G = g_s.load(BL)
+        t-side norms, beta and scale): per row block i one transposed dot with N = 32.
+
+        Left operand (k e^{mid_i - G}, zero past block i) without exponentials per i: with B_j = G at
+        the last row of block j, e^{mid_i - G_s} = e^{B_j - G_s} e^{mid_i - B_j} for s in block j; the
+        first factor (<= 1) is computed once per chunk, the second is a [4, K] table per i (<= 1 for
+        j < i, <= e^40 for j = i, 0 for j > i).  Right operand: the block's 16 q rows, then its 16 k
+        rows, times e^{G - mid_i}."""
+        g3_s = g_s.reshape([4, 16, K])
+        G3 = g3_s.load(BL3)
+        bend = g3_s.slice(15, 1, dim=1).load(BL3)  # [4, 1, K]
+        base = k_s.reshape([4, 16, K]).load(BL3).to(gl.float32) * rk3 * _exp(bend - G3)
+        jb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL3)))[:, None, None]
+        lk3_s = lk_s.reshape([4, 16, K])
         for i in gl.static_range(4):
+            mid3 = g1_s.slice(K * (16 * i + 7), K).load(gl.SliceLayout(0, gl.SliceLayout(1, BL3)))[None, None, :]
+            lk3_s.store(_tf32r(base * gl.where(jb <= i, _exp(mid3 - bend), 0.0)))
             mid = g1_s.slice(K * (16 * i + 7), K).load(gl.SliceLayout(0, BL))[None, :]
-            lk_s.store(_tf32r(gl.where((rows < 16 * (i + 1))[:, None], kn * _exp(mid - G), 0.0)))
             e = _exp(g_s.slice(16 * i, 16).load(BL) - mid)
             bqk_s.slice(0, 16).store(_tf32r(q_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
             bqk_s.slice(16, 16).store(_tf32r(k_s.slice(16 * i, 16).load(BL).to(gl.float32) * e))
@@ -140,6 +149,7 @@ if _IMPORTED:
         BLC: gl.constexpr = gl.SliceLayout(0, BL)
         L16: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [NW, 1], [1, 0])
         L3: gl.constexpr = gl.BlockedLayout([1, 16, 1], [2, 1, 16], [NW, 1, 1], [2, 1, 0])
+        BL3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 4, 8], [4, WN, 1], [2, 1, 0])
         MG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, K // WN, 8])
         M32: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 32 // WN, 8])
         M64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN], instr_shape=[16, 64 // WN, 8])
@@ -267,7 +277,12 @@ if _IMPORTED:
                 c1 = _clock()
                 t_load += c1 - c0
             # ---- A, P (raw transposed pieces), then masks and row scales in [t, s] orientation
-            _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk, rows, K, BL, M32)
+            if L2:
+                k3 = k_s.reshape([4, 16, K]).load(BL3).to(gl.float32)
+                rk3 = gl.rsqrt(gl.sum(k3 * k3, axis=2) + 1e-6)[:, :, None]
+            else:
+                rk3 = gl.full([4, 16, 1], 1.0, gl.float32, BL3)
+            _chunk_ap(k_s, q_s, g_s, g1_s, bqk_s, lk_s, pa3_s, rk3, K, BL, BL3, M32)
             P = pt_s.permute((1, 0)).load(M64)
             A = at_s.permute((1, 0)).load(M64)
             rq_t = gl.convert_layout(rq * scale, gl.SliceLayout(1, M64))
