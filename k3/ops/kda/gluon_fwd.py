@@ -90,11 +90,12 @@ if _IMPORTED:
         fence_async_shared()
 
     @gluon.jit
-    def _chunk_ap(k_s, q_s, g_s, g1_s, bqk2_s, lk2_s, pa3_s, rk3, K: gl.constexpr, BL: gl.constexpr,
+    def _chunk_ap(k_s, q_s, g_s, g1_s, yy_s, lk2_s, pa3_s, rk3, K: gl.constexpr, BL: gl.constexpr,
                   BL3: gl.constexpr, M32: gl.constexpr):
         """Raw P^T and A^T of one chunk into pa3_s ([2, 64(s), 64(t)] fp32: P^T, A^T; unmasked, without the
         t-side norms, beta and scale): per row block i one transposed dot with N = 32, issued
-        asynchronously while the next block's operands are written (double-buffered lk2_s, bqk2_s).
+        asynchronously while the next block's operands are written (double-buffered: lk2_s, and the
+        [32, K] right operands in the two [64, 64] buffers of yy_s).
 
         Left operand (k e^{mid_i - G}, zero past block i) without exponentials per i: with B_j = G at
         the last row of block j, e^{mid_i - G_s} = e^{B_j - G_s} e^{mid_i - B_j} for s in block j; the
@@ -106,14 +107,16 @@ if _IMPORTED:
         bend = g3_s.slice(15, 1, dim=1).load(BL3)  # [4, 1, K]
         base = k_s.reshape([4, 16, K]).load(BL3).to(gl.float32) * rk3 * _exp(bend - G3)
         jb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL3)))[:, None, None]
-        _ap_operands(k_s, q_s, g_s, g1_s, base, bend, jb, lk2_s.index(0), bqk2_s.index(0), 0, K, BL, BL3)
+        BQ: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, K], gl.float32)
+        _ap_operands(k_s, q_s, g_s, g1_s, base, bend, jb, lk2_s.index(0),
+                     yy_s.index(0)._reinterpret(gl.float32, [32, K], BQ), 0, K, BL, BL3)
         gl.thread_barrier()
         for i in gl.static_range(4):
-            x = warpgroup_mma(lk2_s.index(i % 2), bqk2_s.index(i % 2).permute((1, 0)),
+            x = warpgroup_mma(lk2_s.index(i % 2), yy_s.index(i % 2)._reinterpret(gl.float32, [32, K], BQ).permute((1, 0)),
                               gl.zeros([64, 32], gl.float32, M32), use_acc=False, is_async=True)
             if i < 3:
                 _ap_operands(k_s, q_s, g_s, g1_s, base, bend, jb, lk2_s.index((i + 1) % 2),
-                             bqk2_s.index((i + 1) % 2), i + 1, K, BL, BL3)
+                             yy_s.index((i + 1) % 2)._reinterpret(gl.float32, [32, K], BQ), i + 1, K, BL, BL3)
             x = warpgroup_mma_wait(0, deps=[x])
             pa3_s.slice(16 * i, 16, dim=2).permute((1, 0, 2)).store(gl.reshape(x, [64, 2, 16]))
             gl.thread_barrier()
@@ -173,8 +176,8 @@ if _IMPORTED:
 
         # Shared memory; buffers of different phases share bytes (reinterpreted views).  Per chunk:
         #   load:    q_s, k_s (raw inputs), g_s (G) -- q_s / k_s / g_s then hold qg / kg / Xw (state phase)
-        #   A / P:   lk2_s, bqk2_s (double-buffered operands), P^T / A^T in pa_s
-        #   inverse: Ad / Td (pt_s, in pa_s), ad_s, A_off^T and Horner iterates (y_s, in bqk2_s), -N (n_s, in pa_s)
+        #   A / P:   lk2_s, yy_s (double-buffered operands), P^T / A^T in pa_s
+        #   inverse: Ad / Td (pt_s, in pa_s), ad_s, A_off^T and Horner iterates (y_s, y1_s), -N (n_s, in pa_s)
         #   state:   T (in y_s), s_s (in lk2_s), R^T then Vn (in pa_s), P (p_s, from the A / P phase)
         NV: gl.constexpr = gl.NVMMASharedLayout.get_default_for
         q_s = gl.allocate_shared_memory(dt, [64, K], PLAIN2)
@@ -191,8 +194,9 @@ if _IMPORTED:
         n_s = pa_s._reinterpret(gl.float32, [128, 64], NV([128, 64], gl.float32)).slice(64, 64)
         r_s = pa_s._reinterpret(gl.float32, [BV, 64], NV([BV, 64], gl.float32))
         vn_s = pa_s._reinterpret(dt, [64, BV], NV([64, BV], dt))
-        bqk2_s = gl.allocate_shared_memory(gl.float32, [2, 32, K], NV([32, K], gl.float32))
-        y_s = bqk2_s._reinterpret(gl.float32, [64, 64], NV([64, 64], gl.float32))
+        yy_s = gl.allocate_shared_memory(gl.float32, [2, 64, 64], NV([64, 64], gl.float32))
+        y_s = yy_s.index(0)
+        y1_s = yy_s.index(1)
         lk2_s = gl.allocate_shared_memory(gl.float32, [2, 64, K], NV([64, K], gl.float32))
         sx_s = lk2_s.index(0)
         gt_s = sx_s._reinterpret(gl.float32, [K, 64], NV([K, 64], gl.float32))
@@ -293,7 +297,7 @@ if _IMPORTED:
                 rk3 = gl.rsqrt(gl.sum(k3 * k3, axis=2) + 1e-6)[:, :, None]
             else:
                 rk3 = gl.full([4, 16, 1], 1.0, gl.float32, BL3)
-            _chunk_ap(k_s, q_s, g_s, g1_s, bqk2_s, lk2_s, pa3_s, rk3, K, BL, BL3, M32)
+            _chunk_ap(k_s, q_s, g_s, g1_s, yy_s, lk2_s, pa3_s, rk3, K, BL, BL3, M32)
             P = pt_s.permute((1, 0)).load(M64)
             A = at_s.permute((1, 0)).load(M64)
             rq_t = gl.convert_layout(rq * scale, gl.SliceLayout(1, M64))
@@ -316,15 +320,14 @@ if _IMPORTED:
             fence_async_shared()
             N = warpgroup_mma(_tf32r(pt_s.load(gl.DotOperandLayout(0, M64, 1))), y_s.permute((1, 0)),
                               gl.zeros([64, 64], gl.float32, M64), use_acc=False)
-            gl.thread_barrier()
             n_s.store(_tf32r(-N))
             Y = Td
-            for _ in gl.static_range(3):
-                gl.thread_barrier()
-                y_s.store(gl.permute(_tf32r(Y), (1, 0)))
+            for it in gl.static_range(3):  # iterates alternate between y1_s and y_s: one barrier each
+                yb = y1_s if it % 2 == 0 else y_s
+                yb.store(gl.permute(_tf32r(Y), (1, 0)))
                 fence_async_shared()
                 gl.thread_barrier()
-                Y = warpgroup_mma(n_s, y_s.permute((1, 0)), Td)
+                Y = warpgroup_mma(n_s, yb.permute((1, 0)), Td)
 
             if PROFILE:
                 c3 = _clock()
