@@ -3,24 +3,24 @@
 One program per (sequence, head, value block of BV columns) walks the sequence's chunks of 64 tokens
 with the state S [K, BV] (fp32) in registers; nothing but the inputs, o and the states touches global
 memory (the Triton path writes and re-reads W, U, P, qg, kg, gl between two launches).  Per chunk,
-with G the within-chunk cumulative log-decay (a scan), the maths of `triton_fwd` / docs/kda_kernels.md:
+with G the within-chunk cumulative log-decay, the maths of `triton_fwd` / docs/kda_kernels.md:
 
     A[t,s] = beta_t k_t.k_s e^{G_t - G_s} (s < t),  P[t,s] = scale q_t.k_s e^{G_t - G_s} (s <= t)
     T = (I + A)^-1;  R = beta v - (beta k e^G) S;  Vn = T R
     O = (scale q e^G) S + P Vn;  S <- e^{gl} S + (k e^{gl - G})^T Vn
 
+* G = L g with L the 0/1 lower triangle: one tf32 wgmma (two, hi + lo, when g is not a tf32 value).
 * A and P: per 16-row block i the factorised products e^{G_t - mid_i} e^{mid_i - G_s} (mid_i = G at
-  row 16 i + 7; finite for per-step decays >= -5, see chunk.py) as transposed dots X_i [64(s), 16(t)]
-  = (k e^{mid_i - G})[64, K] @ ([q_i or k_i] e^{G_i - mid_i})^T: wgmma needs M = 64, so the 16 rows of
-  block i are the dot's N.  tf32 operands rounded to nearest first (as the Triton kernels).
-* T: the 16x16 diagonal blocks by forward substitution (one warp per block, [4, 16, 16] registers),
-  then T = Td - N (Td - N (Td - N Td)) with N = Td A_off (exact: N^4 = 0), three tf32 wgmma.
-* State dots with bf16 / fp16 operands (S and Vn rounded to the input dtype, as the Triton path and
-  fla); Vn = T R in tf32.
+  row 16 i + 7; finite for per-step decays >= -5, see chunk.py) as transposed dots X_i [64(s), 32]
+  = (k e^{mid_i - G})[64, K] @ ([q_i; k_i] e^{G_i - mid_i})^T: wgmma needs M = 64, so the block's 16 q
+  and 16 k rows are the dot's N.  tf32 operands rounded to nearest first (as the Triton kernels).
+* T: the 16x16 diagonal blocks by thread-local forward substitution, then
+  T = Td - N (Td - N (Td - N Td)) with N = Td A_off (exact: N^4 = 0), tf32 wgmma.
+* State dots with bf16 / fp16 operands (S, Vn and P rounded to the input dtype, as the Triton path
+  and fla); Vn = T R in tf32.
 
-Layouts: one warpgroup (4 warps).  Register tiles use a generic blocked layout for loads and
-elementwise work and the wgmma accumulator layouts for dot results; shared memory holds the chunk's
-raw q, k and G (fp32), the dot operands and A / P while they are transposed.
+Two warpgroups (8 warps) side by side along the dots' N.  Operands go through shared memory in the
+wgmma (NVMMA) layouts; buffers of different phases share bytes through reinterpreted views.
 
 Contract (checked by `supported`): CUDA sm_90, Triton 3.6's Gluon, q / k / v bf16 or fp16, K in {64, 128},
 V in {32, 64, 128}; everything else (fp32 inputs, other head dims, the interpreter) runs the Triton
