@@ -369,11 +369,12 @@ if _IMPORTED:
             gl.thread_barrier()
 
             # ---- O = qg S + P Vn;  S <- e^gl S + kg^T Vn
-            O = warpgroup_mma(qg_s, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False)
-            O = warpgroup_mma(p_s, vn_s, O)
+            O = warpgroup_mma(qg_s, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False, is_async=True)
+            O = warpgroup_mma(p_s, vn_s, O, is_async=True)
+            S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None], is_async=True)
+            O, S = warpgroup_mma_wait(0, deps=[O, S])
             gl.store(o + orow64[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
                      mask=(orow < nr)[:, None] & (scol[None, :] < BV))
-            S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None])
             if PROFILE:
                 t_state += _clock() - c4
         if STORE_HT:
