@@ -152,7 +152,7 @@ if _IMPORTED:
     @gluon.jit
     def _kda_fwd_gluon(
         q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, prof, scale, lower_bound,
-        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr,
+        H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NW: gl.constexpr, PIPE: gl.constexpr,
         GATE: gl.constexpr, L2: gl.constexpr, BSIG: gl.constexpr, USE_H0: gl.constexpr, STORE_HT: gl.constexpr,
         PROFILE: gl.constexpr,
     ):
@@ -240,6 +240,17 @@ if _IMPORTED:
         EXACT_G: gl.constexpr = (not GATE) and g.dtype.element_ty.primitive_bitwidth == 16  # g is a tf32 value
         lt_s.store(gl.where(sc[None, :] <= tr[:, None], 1.0, 0.0) + gl.zeros([64, 64], gl.float32, M64))
         fence_async_shared()
+        # PIPE: chunk c + 1's q, k, g are loaded while chunk c's last dots run (loop-carried registers)
+        if PIPE:
+            offk = ((bos + rows).to(gl.int64) * H + i_h)[:, None] * K + colk[None, :]
+            mk = ((rows < eos - bos)[:, None]) & (colk[None, :] < K)
+            nq = gl.load(q + offk, mask=mk, other=0.0)
+            nk = gl.load(k + offk, mask=mk, other=0.0)
+            ng = gl.load(g + offk, mask=mk, other=0.0)
+        else:
+            nq = gl.zeros([64, K], dt, BL)
+            nk = nq
+            ng = gl.zeros([64, K], g.dtype.element_ty, BL)
         for c in range(nt):
             t0 = bos + c * 64
             nr = eos - t0
@@ -249,9 +260,14 @@ if _IMPORTED:
             mk = m_t[:, None] & (colk[None, :] < K)
             if PROFILE:
                 c0 = _clock()
-            bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-            bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
-            bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
+            if PIPE:
+                bq = nq
+                bk = nk
+                bg = ng.to(gl.float32)
+            else:
+                bq = gl.load(q + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+                bk = gl.load(k + row64[:, None] * K + colk[None, :], mask=mk, other=0.0)
+                bg = gl.load(g + row64[:, None] * K + colk[None, :], mask=mk, other=0.0).to(gl.float32)
             if GATE:
                 bg = gl.where(mk, lower_bound / (1.0 + _exp(-a_h * (bg + bias[None, :]))), 0.0)
             bb = gl.load(beta + row64, mask=m_t, other=0.0).to(gl.float32)
@@ -372,6 +388,12 @@ if _IMPORTED:
             O = warpgroup_mma(qg_s, s_s, gl.zeros([64, BV], gl.float32, MV16), use_acc=False, is_async=True)
             O = warpgroup_mma(p_s, vn_s, O, is_async=True)
             S = warpgroup_mma(kg_s.permute((1, 0)), vn_s, S * egl[:, None], is_async=True)
+            if PIPE:
+                offk = (row64 + 64 * H)[:, None] * K + colk[None, :]
+                mk = ((rows < nr - 64)[:, None]) & (colk[None, :] < K)
+                nq = gl.load(q + offk, mask=mk, other=0.0)
+                nk = gl.load(k + offk, mask=mk, other=0.0)
+                ng = gl.load(g + offk, mask=mk, other=0.0)
             O, S = warpgroup_mma_wait(0, deps=[O, S])
             gl.store(o + orow64[:, None] * V + v0 + scol[None, :], O.to(o.dtype.element_ty),
                      mask=(orow < nr)[:, None] & (scol[None, :] < BV))
@@ -389,6 +411,7 @@ if _IMPORTED:
 
 
 WARPS = 8  # two warpgroups side by side along the value columns
+PIPE = True  # load chunk c + 1's q, k, g during chunk c's last dots
 PROFILE: torch.Tensor | None = None  # int64 [programs, 5]: cycles per phase (load, A/P, inverse, operands, state)
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
@@ -419,7 +442,7 @@ def kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, N
         q, k, v, g, beta, A_log if gate else q, dt_bias if gate else q, o,
         h0 if h0 is not None else o, ht if ht is not None else o, cu_seqlens,
         PROFILE if PROFILE is not None else cu_seqlens, float(scale), float(lower_bound),
-        H=H, K=K, V=V, BV=BV, NW=WARPS, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
+        H=H, K=K, V=V, BV=BV, NW=WARPS, PIPE=PIPE, GATE=gate, L2=bool(l2), BSIG=bool(bsig), USE_H0=h0 is not None,
         STORE_HT=ht is not None, PROFILE=PROFILE is not None, num_warps=WARPS,
     )
     return o, ht
