@@ -46,7 +46,6 @@ except Exception:  # noqa: BLE001 - any import problem means "no Gluon"
 __all__ = ["GLUON_AVAILABLE", "supported", "kda_fwd_gluon"]
 
 GLUON_AVAILABLE = _IMPORTED and tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
-CHUNK = 64
 HEAD_DIMS_K = (64, 128)
 HEAD_DIMS_V = (32, 64, 128)
 
@@ -419,7 +418,7 @@ VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value
 def _value_block(V: int, NH: int) -> int:
     """Value block per program: all of V when that gives at least ~3/4 of the SMs a program (the
     intra-chunk work is then done once per (sequence, head)), else 64 (one program per SM is the
-    occupancy: ~165 KB of shared memory each)."""
+    occupancy: ~220 KB of shared memory each)."""
     bv = V
     while bv > 64 and NH * (V // bv) < 96:
         bv //= 2
