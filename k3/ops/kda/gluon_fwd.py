@@ -410,7 +410,7 @@ if _IMPORTED:
 
 
 WARPS = 8  # two warpgroups side by side along the value columns
-PIPE = True  # load chunk c + 1's q, k, g during chunk c's last dots
+PIPE = False  # True: load chunk c + 1's q, k, g during chunk c's last dots (measured slower: register spills)
 PROFILE: torch.Tensor | None = None  # int64 [programs, 5]: cycles per phase (load, A/P, inverse, operands, state)
 VALUE_BLOCK: int | None = None  # BV override (benchmarks, tests); None: `_value_block`'s rule
 
