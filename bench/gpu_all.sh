@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla kdafwd shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -55,6 +55,11 @@ for s in $sections; do
       PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --quick --sections train 2>&1 | quiet > "$OUT/kdafla.txt"
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
       grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
+    kdafwd)  # inference forward: k3's Gluon one-pass kernel vs k3's Triton kernels vs fla (fla last: its autotune)
+      site=/tmp/fla_site; pip install -q --no-deps --target $site .whl/*.whl >/dev/null 2>&1
+      export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${KDA_TUNE_DIR:-/tmp/kda_tune}
+      PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --sections fwd 2>&1 | quiet > "$OUT/kdafwd.txt"
+      grep -E "^\||speed-up" "$OUT/kdafwd.txt" ;;
     shortconv)  # short conv + SiLU kernels vs the transpose + cuDNN depthwise conv path, x in
       # the model's layout (a slice of the 4232-wide fused projection), with the tile sweep; then contiguous x
       { python bench/short_conv.py --sweep --tokens 65536 --row-width 4232
@@ -169,7 +174,7 @@ for s in $sections; do
       for f in /tmp/balance/balance.* /tmp/balance/*/metrics.jsonl; do  # not the checkpoints
         mkdir -p "$OUT/$(dirname ${f#/tmp/})"; cp "$f" "$OUT/${f#/tmp/}"; done
       grep -E "^\||Error|error" "$OUT/balance.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, kdafwd, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -21,7 +21,8 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 (W, U, qg, kg, P, per-chunk states, Vn, dR) are stored in the input dtype, which bounds bf16
 accuracy to ~0.3 % relative (fla's level).
 
-Kernels.  Forward: the split intra-chunk kernels (triton_fwd_split: keys / A-P / finish launches of
+Kernels.  Inference forward on sm_90: the one-pass Gluon kernel (gluon_fwd) when `fwd_impl` is "gluon"
+(see `_use_gluon`).  Otherwise, forward: the split intra-chunk kernels (triton_fwd_split: keys / A-P / finish launches of
 small programs), then the sequential state scan (triton_fwd._kda_fwd_state).  Backward: the state
 scan (triton_bwd._kda_bwd_state), then the split intra-chunk kernels (triton_bwd_split: values /
 keys / finish).  Their tiles are constants beside the kernels; the measurements behind them are in
@@ -39,6 +40,8 @@ import triton
 
 from k3.ops import to_device_async
 from k3.ops.backend import triton_runs_on
+from k3.kernel_config import KDA_FWD_CHOICES
+from k3.ops.kda import gluon_fwd
 from k3.ops.kda.triton_bwd import _kda_bwd_state
 from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
 from k3.ops.kda.triton_fwd import _kda_fwd_state
@@ -260,6 +263,24 @@ class ChunkKDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None
 
 
+def _use_gluon(fwd_impl: str, q: torch.Tensor, v: torch.Tensor, needs_grad: bool) -> bool:
+    """Whether this call's forward runs the one-pass Gluon kernel (k3.kernel_config.KernelConfig.kda_fwd).
+
+    "auto" and "triton": never -- the Triton forward is the faster one as measured (docs/kda_kernels.md);
+    "gluon": on sm_90 with Triton 3.6's Gluon, bf16 / fp16, supported head dims, no gradient needed (the
+    backward reads intermediates only the Triton forward keeps), else ValueError."""
+    if fwd_impl not in KDA_FWD_CHOICES:
+        raise ValueError(f"fwd_impl must be one of {KDA_FWD_CHOICES}, got {fwd_impl!r}")
+    if fwd_impl != "gluon":
+        return False
+    ok = not needs_grad and gluon_fwd.supported(q, v)
+    if not ok:
+        why = ("gradients need the Triton forward's intermediates" if needs_grad else
+               f"needs sm_90, Triton 3.6 Gluon, bf16/fp16, K in {gluon_fwd.HEAD_DIMS_K}, V in {gluon_fwd.HEAD_DIMS_V}")
+        raise ValueError(f"fwd_impl='gluon' cannot run this call: {why}")
+    return ok
+
+
 def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, cu_seqlens_cpu):
     check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
     B, T, H, K = q.shape
@@ -308,6 +329,7 @@ def chunk_kda(
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
+    fwd_impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (chunk 64) with fused prologue; differentiable in every tensor input.
 
@@ -322,6 +344,8 @@ def chunk_kda(
         cu_seqlens_cpu: optional host copy of cu_seqlens (no device read-back when given).
         A_log: [H], dt_bias: [H * K] or [H, K]: in-kernel gate g = lb * sigmoid(exp(A_log) (f + dt_bias)).
         lower_bound: gate lower bound in [-5, 0) (required, see module docstring).
+        fwd_impl: "auto" | "gluon" | "triton": which inference forward runs (`_use_gluon`;
+            `k3.kernel_config.KernelConfig.kda_fwd`).
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
     """
@@ -336,7 +360,11 @@ def chunk_kda(
         A_log, dt_bias = A_log.contiguous(), dt_bias.contiguous()
     l2, bsig = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if _use_gluon(fwd_impl, q, v, needs_grad):
+        return gluon_fwd.kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, meta.cu_seqlens, meta.N,
+                                       scale, lower_bound, l2, bsig, output_final_state)
+    if needs_grad:
         out = ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale,
                                      lower_bound, l2, bsig, output_final_state)
         if output_final_state:
