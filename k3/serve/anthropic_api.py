@@ -102,16 +102,21 @@ def chat_body(body: Any) -> dict:
     for k in ("temperature", "top_p", "top_k", "ignore_eos"):  # ignore_eos: k3 extension (benchmarks, tests)
         if body.get(k) is not None:
             out[k] = body[k]
-    if body.get("stop_sequences"):
-        out["stop"] = body["stop_sequences"]
+    stops = body.get("stop_sequences")
+    if stops is not None and not isinstance(stops, list):
+        raise bad("stop_sequences", "must be a list of strings", "invalid_type")
+    if stops:
+        out["stop"] = stops
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise bad("tools", "must be a list", "invalid_type")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise bad("tools", "must be a list of tool objects", "invalid_type")
         out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                                           "parameters": t.get("input_schema")}}
                         for t in tools if isinstance(t, dict) and t.get("type") in (None, "custom")]
     tc = body.get("tool_choice")
+    if tc is not None and not isinstance(tc, dict):
+        raise bad("tool_choice", "must be an object like {'type': 'auto' | 'any' | 'tool' | 'none'}", "invalid_type")
     if isinstance(tc, dict):
         kind = tc.get("type")
         if kind == "any":
@@ -125,6 +130,8 @@ def chat_body(body: Any) -> dict:
         if tc.get("disable_parallel_tool_use"):
             out["parallel_tool_calls"] = False
     th = body.get("thinking")
+    if th is not None and not isinstance(th, dict):
+        raise bad("thinking", "must be an object like {'type': 'enabled' | 'disabled'}", "invalid_type")
     if isinstance(th, dict) and th.get("type") == "disabled":
         out["thinking"] = {"type": "disabled"}
     return out

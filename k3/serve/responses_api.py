@@ -45,6 +45,22 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a `reasoning` input item: its `content` then `summary` parts ({type, text} objects)."""
+    out = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad(f"{where}.{key}", "must be a list of {type, text} parts", "invalid_type")
+        for k, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                raise bad(f"{where}.{key}[{k}]", "must be an object with a string `text`", "invalid_type")
+            out.append(part.get("text", ""))
+    return "".join(out)
+
+
 def input_messages(items: Any) -> list[dict]:
     """Responses input (a string or a list of items) -> chat messages."""
     if isinstance(items, str):
@@ -73,10 +89,8 @@ def input_messages(items: Any) -> list[dict]:
             else:
                 msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "reasoning":
-            parts = (it.get("content") or []) + (it.get("summary") or [])
             a = assistant()
-            a["reasoning_content"] = a.get("reasoning_content", "") + "".join(
-                p.get("text", "") for p in parts if isinstance(p, dict))
+            a["reasoning_content"] = a.get("reasoning_content", "") + _reasoning_text(it, w)
         elif kind == "function_call":
             if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
                 raise bad(w, "a function_call needs string `name` and `call_id`")
@@ -92,6 +106,14 @@ def input_messages(items: Any) -> list[dict]:
         else:
             raise bad(f"{w}.type", f"input items of type {kind!r} are not supported", "unsupported_content")
     return msgs
+
+
+def _object(body: dict, name: str) -> dict:
+    """An optional object-valued field ({} when absent)."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, dict):
+        raise bad(name, "must be an object", "invalid_type")
+    return v or {}
 
 
 def chat_body(body: Any, history: list[dict]) -> dict:
@@ -121,17 +143,19 @@ def chat_body(body: Any, history: list[dict]) -> dict:
         out["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
     elif tc is not None:
         out["tool_choice"] = tc
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    fmt = _object(body, "text").get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
+        raise bad("text.format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "output"), "schema": fmt.get("schema"), "strict": fmt.get("strict", False)}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         out["response_format"] = {"type": "json_object"}
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    effort = _object(body, "reasoning").get("effort")
     if effort == "none":
         out["thinking"] = {"type": "disabled"}
     elif effort is not None:
-        if effort not in _EFFORT:
+        if not isinstance(effort, str) or effort not in _EFFORT:
             raise bad("reasoning.effort", f"must be one of {', '.join(_EFFORT)} or none, got {effort!r}")
         out["reasoning_effort"] = _EFFORT[effort]
     return out
@@ -240,6 +264,10 @@ def add_routes(app: FastAPI, st: Any, api: Any) -> None:
         try:
             body = await api.read_json(st, request)
             prev = body.get("previous_response_id") if isinstance(body, dict) else None
+            if prev is not None and not isinstance(prev, str):
+                raise bad("previous_response_id", "must be a string", "invalid_type")
+            if isinstance(body, dict) and body.get("store") is not None and not isinstance(body["store"], bool):
+                raise bad("store", "must be a boolean", "invalid_type")
             if prev is not None and prev not in stored:
                 raise bad("previous_response_id", f"response {prev!r} not found (not stored or evicted)",
                           "previous_response_not_found")

@@ -203,7 +203,8 @@ class GrammarCompiler:
         elif rf in ("json_object", "json_schema"):
             schema = {"type": "object"}
             if rf == "json_schema":
-                schema = (spec.response_format.get("json_schema") or {}).get("schema") or {}
+                schema = (spec.response_format.get("json_schema") or {}).get("schema")
+                schema = {} if schema is None else schema  # no schema: any JSON value
             rules.append(f"body: %json{_json_schema(schema)}")
             body = "body " + self._ids(lambda b: b.close_tag("response"))
         else:
@@ -234,7 +235,10 @@ class GrammarCompiler:
         props = params.get("properties") or {}
         if not isinstance(props, dict):
             raise GrammarError(f"tool {tool['function']['name']!r}: parameters.properties must be an object")
-        required = set(params.get("required") or [])
+        required = params.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise GrammarError(f"tool {tool['function']['name']!r}: parameters.required must be a list of strings")
+        required = set(required)
         parts = []
         for j, (key, ps) in enumerate(props.items()):
             name = f"{prefix}a{j}"
@@ -268,10 +272,14 @@ def _types(ps: dict) -> list[str]:
     t = ps.get("type")
     if isinstance(t, str):
         t = [t]
+    if t is not None and not (isinstance(t, list) and all(isinstance(x, str) for x in t)):
+        raise GrammarError(f"a JSON schema `type` must be a string or a list of strings, got {t!r:.80}")
     if not t:
         values = ps.get("enum") if isinstance(ps.get("enum"), list) else [ps["const"]] if "const" in ps else None
         if values is None:
             return ["string", "number", "boolean", "null", "object", "array"]
+        if not values:
+            raise GrammarError("an empty `enum` admits no value")
         kinds = {"string" if isinstance(v, str) else "boolean" if isinstance(v, bool) else "null" if v is None
                  else "number" if isinstance(v, (int, float)) else "array" if isinstance(v, list) else "object"
                  for v in values}
