@@ -11,8 +11,11 @@ import time
 import urllib.request
 
 import anthropic
+import jsonschema
 import openai
 import pytest
+
+from tests.serve.test_structured_live import PERSON
 
 FN = {"type": "function", "name": "get_weather", "description": "Weather of a city.",
       "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
@@ -53,6 +56,7 @@ def test_responses_function_call_round_trip_and_stream(oai):
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert call.name == "get_weather" and len(json.loads(call.arguments)["city"]) <= 8
     items = [{"type": "message", "role": "user", "content": "weather in Paris?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look it up"}]},
              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
     events = list(oai.responses.create(model="k3-tiny", input=items, tools=[FN], max_output_tokens=5,
@@ -61,6 +65,43 @@ def test_responses_function_call_round_trip_and_stream(oai):
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
     assert events[-1].response.usage.output_tokens <= 5
+
+
+def test_responses_json_schema_and_named_tool(oai):
+    """text.format json_schema (non-stream and streamed) validates; a named tool_choice calls that tool."""
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    kw = dict(model="k3-tiny", input="a person", text={"format": fmt}, max_output_tokens=200, reasoning=NO_THINK,
+              temperature=1.0)
+    r = oai.responses.create(**kw)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    events = list(oai.responses.create(**kw, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(text), PERSON)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == text
+    r = oai.responses.create(model="k3-tiny", input="weather?", tools=[FN], max_output_tokens=120,
+                             tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), FN["parameters"])
+
+
+def test_messages_tool_choice_tool_and_any_streamed(claude):
+    """tool_choice tool (named) and any: non-stream and streamed (input_json_delta), valid input."""
+    tool = {"name": "get_weather", "description": "Weather.", "input_schema": FN["parameters"]}
+    kw = dict(model="k3-tiny", max_tokens=120, tools=[tool], messages=[{"role": "user", "content": "weather?"}])
+    m = claude.messages.create(**kw, tool_choice={"type": "tool", "name": "get_weather"})
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, FN["parameters"])
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}):
+        with claude.messages.stream(**kw, tool_choice=choice, thinking={"type": "disabled"}) as s:
+            deltas = [e.delta.partial_json for e in s if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta"]
+            final = s.get_final_message()
+        (use,) = [b for b in final.content if b.type == "tool_use"]
+        assert final.stop_reason == "tool_use" and json.loads("".join(deltas)) == use.input
+        jsonschema.validate(use.input, FN["parameters"])
 
 
 def test_messages_blocks_tools_and_stream(claude):

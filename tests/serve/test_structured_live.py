@@ -92,3 +92,48 @@ def test_bad_schema_is_a_400(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-tiny", messages=MSGS, response_format=fmt, max_tokens=8)
+
+
+def _streamed(stream) -> tuple[str, str | None, dict]:
+    """(content, finish_reason, {index: [name, arguments]}) of a one-choice chat stream."""
+    text, finish, calls = "", None, {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, ["", ""])
+                c[0] = d.function.name or c[0]
+                c[1] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return text, finish, calls
+
+
+def test_json_object_and_streamed_json_schema(client, tokenizer):
+    """json_object, non-stream twice (the repeat hits the prefix cache and still validates) and
+    streamed; json_schema streamed. A free object has unbounded keys and strings, which a random model
+    never closes on its own: a logit_bias on `"` and `}` (added before the grammar mask) ends them."""
+    bias = {str(tokenizer.encode('"')[0]): 5, str(tokenizer.encode("}")[0]): 3}
+    kw = dict(model="k3-tiny", messages=[{"role": "user", "content": "an object"}], max_tokens=120,
+              temperature=1.0, seed=3, logit_bias=bias, extra_body=NO_THINK, response_format={"type": "json_object"})
+    first, again = (client.chat.completions.create(**kw) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    for r in (first, again):
+        assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    assert again.choices[0].message.content == first.choices[0].message.content  # seeded: the same sample
+    text, finish, _ = _streamed(client.chat.completions.create(**kw, stream=True))
+    assert finish == "stop" and text == first.choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw.pop("logit_bias")
+    text, finish, _ = _streamed(client.chat.completions.create(**{**kw, "response_format": fmt, "seed": 4},
+                                                               stream=True))
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_named_tool_choice_streamed(client):
+    named = {"type": "function", "function": {"name": "s"}}
+    _, finish, calls = _streamed(client.chat.completions.create(
+        model="k3-tiny", messages=MSGS, tools=LIVE_TOOLS, tool_choice=named, max_tokens=120, temperature=1.0, seed=2,
+        stream=True))
+    assert finish == "tool_calls" and [c[0] for c in calls.values()] == ["s"]
+    jsonschema.validate(json.loads(calls[0][1]), S)
