@@ -116,16 +116,18 @@ def _object(body: dict, name: str) -> dict:
     return v or {}
 
 
-def chat_body(body: Any, history: list[dict]) -> dict:
-    """A Responses request -> an OpenAI chat body (history: the previous response's conversation)."""
+def chat_body(body: Any, history: list[dict]) -> tuple[dict, list[dict]]:
+    """A Responses request -> (an OpenAI chat body, the conversation to store with the response).
+    history: the previous response's conversation. `instructions` lead the chat messages but are not
+    part of the stored conversation (OpenAI: they do not carry over through previous_response_id)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_body")
-    msgs = list(history)
+    convo = list(history) + input_messages(body.get("input"))
+    msgs = convo
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
             raise bad("instructions", "must be a string", "invalid_type")
-        msgs = [{"role": "system", "content": body["instructions"]}] + msgs
-    msgs += input_messages(body.get("input"))
+        msgs = [{"role": "system", "content": body["instructions"]}] + convo
     out: dict[str, Any] = {"model": body.get("model"), "messages": msgs, "stream": body.get("stream", False)}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("parallel_tool_calls", "parallel_tool_calls"), ("seed", "seed"), ("ignore_eos", "ignore_eos")):
@@ -158,7 +160,7 @@ def chat_body(body: Any, history: list[dict]) -> dict:
         if not isinstance(effort, str) or effort not in _EFFORT:
             raise bad("reasoning.effort", f"must be one of {', '.join(_EFFORT)} or none, got {effort!r}")
         out["reasoning_effort"] = _EFFORT[effort]
-    return out
+    return out, convo
 
 
 def output_item(b: Block, done: bool) -> dict:
@@ -271,14 +273,13 @@ def add_routes(app: FastAPI, st: Any, api: Any) -> None:
             if prev is not None and prev not in stored:
                 raise bad("previous_response_id", f"response {prev!r} not found (not stored or evicted)",
                           "previous_response_not_found")
-            cb = chat_body(body, stored[prev][1] if prev else [])
+            cb, messages = chat_body(body, stored[prev][1] if prev else [])
             run = await api.start_chat(st, cb)
         except (APIError, Overloaded, ValueError) as e:
             return api.error_response(st, e)
         st.count("status_200")
         rb = ResponseBuilder(run.req.common.model, prev)
         asm, store = run.asms[0], body.get("store", True) is not False
-        messages = cb["messages"]
 
         def feed(out: Any) -> list[BlockEvent]:
             evs = [e for d in asm.deltas(out) for e in rb.tracker.feed(d)]

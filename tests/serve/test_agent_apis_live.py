@@ -39,13 +39,21 @@ def test_responses_text_reasoning_and_previous_response(oai):
     assert r.object == "response" and r.status in ("completed", "incomplete")
     assert r.usage.output_tokens <= 6 and r.usage.input_tokens > 0
     assert {o.type for o in r.output} <= {"reasoning", "message", "function_call"}
+    assert r.output[0].type == "reasoning"  # K3 thinks first
     assert oai.responses.retrieve(r.id).id == r.id
     # instructions are not inherited (OpenAI semantics): the same ones and effort give the same prompt prefix
     r2 = oai.responses.create(model="k3-tiny", previous_response_id=r.id, input="and more?", max_output_tokens=3,
                               instructions="Be terse.", reasoning={"effort": "high"})
     assert r2.previous_response_id == r.id
-    # the previous prompt came from the prefix cache (up to its last checkpoint: a message end or a unit)
-    assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 64
+    # the new prompt extends the previous one (instructions not repeated): all of it came from the cache
+    # (the checkpoint at its last position, which is recomputed)
+    assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 1
+    events = list(oai.responses.create(model="k3-tiny", previous_response_id=r2.id, input="go on", stream=True,
+                                       max_output_tokens=3, instructions="Be terse.", reasoning={"effort": "high"}))
+    assert "response.reasoning_text.delta" in [e.type for e in events]
+    r3 = events[-1].response
+    assert r3.previous_response_id == r2.id and oai.responses.retrieve(r3.id).id == r3.id  # streamed: stored too
+    assert r3.usage.input_tokens_details.cached_tokens >= r2.usage.input_tokens - 1
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model="k3-tiny", previous_response_id="resp_nope", input="x", max_output_tokens=2)
 

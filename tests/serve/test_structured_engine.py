@@ -14,6 +14,7 @@ import torch
 
 from k3.chat import parse, render_segments
 from k3.model.draft import DraftConfig, EagleDraft
+from k3.serve.logits import make_adjust
 from k3.serve.sampling import SamplingParams
 from k3.serve.structured import GrammarCompiler, StructuredSpec
 from tests.serve.test_structured_live import PERSON
@@ -114,3 +115,20 @@ def test_static_decode_path_masks_outside_the_graph(make_engine, tokenizer, pers
     ref = run(make_engine(max_running=4), [(json_prompt(tokenizer), sp, person)])
     assert calls[0] > 0 and got[0]["ids"] == ref[0]["ids"]
     valid_json(tokenizer, got[0]["ids"])
+
+
+def test_plain_rows_are_never_touched(tokenizer, person):
+    """make_adjust: a batch of plain requests samples from the logits as they are (None: no copy, no
+    mask); in a mixed batch only the constrained row changes, and its allowed set is the grammar's."""
+    class Req:
+        def __init__(self, constraint=None):
+            self.params, self.out_ids, self.constraint = SamplingParams(), [], constraint
+
+    assert make_adjust([Req(), Req()], tokenizer.eos_id) is None
+    c = person()
+    logits = torch.randn(3, 1100)
+    out = make_adjust([Req(), Req(c), Req()], tokenizer.eos_id)(logits)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    allowed = c.allowed(1100)
+    assert torch.equal(out[1][allowed], logits[1][allowed]) and (out[1][~allowed] < -1e38).all()
+    assert allowed.sum() == 1  # after the generation prompt the JSON value must open with `{`
