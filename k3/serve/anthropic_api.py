@@ -231,7 +231,7 @@ async def _stream(mb: MessageBuilder, run: Any, feed: Callable) -> AsyncIterator
                     yield line
         if mb.usage is not None:
             yield sse("message_delta", {"delta": {"stop_reason": mb.body(True)["stop_reason"], "stop_sequence": None},
-                                        "usage": {"output_tokens": mb.usage["completion_tokens"]}})
+                                        "usage": mb.usage_json()})  # cumulative: the SDKs overwrite
             yield sse("message_stop", {})
     finally:
         run.close()

@@ -131,6 +131,8 @@ def test_messages_blocks_tools_and_stream(claude):
         final = s.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.usage.output_tokens <= 6 and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    prompt = lambda u: u.input_tokens + u.cache_read_input_tokens  # noqa: E731
+    assert prompt(final.usage) > prompt(m.usage) > 0  # streamed usage carries the prompt (a longer one here)
     assert all(b.type in ("thinking", "text", "tool_use") for b in final.content)
     assert final.content and final.content[0].type == "thinking"  # K3 thinks first unless disabled
     with pytest.raises(anthropic.BadRequestError):
