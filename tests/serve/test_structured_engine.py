@@ -1,8 +1,10 @@
 """Grammar-constrained requests (k3.serve.structured) inside the engine, next to the features that
-touch decoding: the prefix cache (a repeated constrained prompt hits it and still validates), n-gram
+touch decoding: the prefix cache (a repeated constrained prompt hits it and still validates), n > 1
+forks (one grammar state per sample), n-gram
 and learned-draft speculative decoding (constrained rows decode plainly while other rows verify
 drafts), and the static decode path that CUDA graphs capture (the mask is added to the logits the
-graph returns, outside it: the same tokens as the dynamic path). k3-tiny, random weights, CPU."""
+graph returns, outside it: the same tokens as the dynamic path); plain rows are never touched.
+k3-tiny, random weights, CPU."""
 
 from __future__ import annotations
 
@@ -63,6 +65,20 @@ def test_prefix_cache_hit_still_validates(make_engine, tokenizer, person):
     assert first["finish"] == second["finish"] == "stop"
     assert second["cached"] >= len(prompt) - 1  # the whole prompt came from the cache
     assert valid_json(tokenizer, first["ids"]) == valid_json(tokenizer, second["ids"])  # same seed, same sample
+
+
+def test_forked_samples_each_follow_the_grammar(make_engine, tokenizer, person):
+    """n = 3: the siblings fork the computed prompt and each gets its own grammar state."""
+    eng = make_engine()
+    eng.add_request(json_prompt(tokenizer), SamplingParams(temperature=1.0, seed=5, max_tokens=120),
+                    request_id="a", fork_ids=["a-1", "a-2"], constraint=person)
+    ids: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert eng.metrics.forked_requests == 2
+    values = [valid_json(tokenizer, ids[r]) for r in ("a", "a-1", "a-2")]
+    assert len({json.dumps(v) for v in values}) > 1  # seeds seed, seed + 1, seed + 2: different samples
 
 
 def _verified(eng) -> set[str]:
