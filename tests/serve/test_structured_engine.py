@@ -1,10 +1,9 @@
 """Grammar-constrained requests (k3.serve.structured) inside the engine, next to the features that
 touch decoding: the prefix cache (a repeated constrained prompt hits it and still validates), n > 1
-forks (one grammar state per sample), n-gram
-and learned-draft speculative decoding (constrained rows decode plainly while other rows verify
-drafts), and the static decode path that CUDA graphs capture (the mask is added to the logits the
-graph returns, outside it: the same tokens as the dynamic path); plain rows are never touched.
-k3-tiny, random weights, CPU."""
+forks (one grammar state per sample), n-gram and learned-draft speculative decoding (constrained rows
+decode plainly while other rows verify drafts), and the static decode path that CUDA graphs capture
+(the mask is added to the logits the graph returns, outside it: the same tokens as the dynamic path);
+plain rows are never touched. k3-tiny, random weights, CPU."""
 
 from __future__ import annotations
 
