@@ -165,3 +165,33 @@ def test_disconnect_mid_stream_frees_the_request(live_server, path, body):
     while _metric(base, "http_aborted_requests") <= before or _metric(base, "running") > 0:
         assert time.time() < deadline, "the disconnected request kept running"
         time.sleep(0.2)
+
+
+def test_messages_stop_sequence(claude):
+    """A matched stop sequence ends the reply with stop_reason "stop_sequence" and names it."""
+    kw = dict(model="k3-tiny", max_tokens=8, thinking={"type": "disabled"},  # the SDK has no `temperature`
+              messages=[{"role": "user", "content": "hello"}], extra_body={"ignore_eos": True, "temperature": 0.0})
+    text = "".join(b.text for b in claude.messages.create(**kw).content if b.type == "text")
+    stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isascii()
+                 and text[i:i + 2].isalnum()), None)  # two plain characters after the first one
+    assert stop is not None, text
+    m = claude.messages.create(**kw, stop_sequences=[stop, "never-matched"])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    # the reply ends with the last token wholly before the match
+    assert text[: text.index(stop)].startswith("".join(b.text for b in m.content if b.type == "text"))
+    with claude.messages.stream(**kw, stop_sequences=[stop]) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_messages_output_config_json_schema(claude):
+    """output_config.format json_schema (non-stream and streamed) validates; effort is accepted."""
+    kw = dict(model="k3-tiny", max_tokens=200, thinking={"type": "disabled"},
+              messages=[{"role": "user", "content": "a person"}],
+              output_config={"effort": "xhigh", "format": {"type": "json_schema", "schema": PERSON}})
+    m = claude.messages.create(**kw)
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(m.content[0].text), PERSON)
+    with claude.messages.stream(**kw) as s:
+        text = "".join(e.delta.text for e in s if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    jsonschema.validate(json.loads(text), PERSON)

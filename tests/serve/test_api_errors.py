@@ -42,7 +42,10 @@ RESPONSES = [{"input": [{"type": "reasoning", "content": "x"}]}, {"input": [{"ty
              {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}}]
 MESSAGES = [{"tool_choice": "any"}, {"tool_choice": {"type": "tool"}}, {"tool_choice": {"type": "any"}},
             {"tools": [5]}, {"tools": [{"name": "f", "input_schema": 5}]}, {"thinking": 5},
-            {"stop_sequences": "x"}, {"system": [{"type": "image"}]},
+            {"stop_sequences": "x"}, {"system": [{"type": "image"}]}, {"output_config": 5},
+            {"output_config": {"effort": "huge"}}, {"output_config": {"format": {"type": "json_schema"}}},
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+            {"output_format": {"type": "xml"}},
             {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": 5}]}]},
             {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
                                                         "content": [{"type": "image"}]}]}]}]
