@@ -5,9 +5,11 @@ validates (grammar-constrained decoding, k3.serve.structured)."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 WEATHER = {"type": "object", "properties": {
@@ -137,3 +139,24 @@ def test_named_tool_choice_streamed(client):
         stream=True))
     assert finish == "tool_calls" and [c[0] for c in calls.values()] == ["s"]
     jsonschema.validate(json.loads(calls[0][1]), S)
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    age: int = pydantic.Field(ge=0, le=30)
+
+
+class Owner(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    pets: list[Pet] = pydantic.Field(max_length=2)
+
+
+def test_sdk_parse_with_pydantic_models(client):
+    """The SDKs' own structured-output helpers: a strict schema with `$defs` / `$ref` and titles."""
+    r = client.chat.completions.parse(model="k3-tiny", messages=[{"role": "user", "content": "an owner"}],
+                                      response_format=Owner, max_tokens=200, temperature=1.0, seed=1,
+                                      extra_body=NO_THINK)
+    assert isinstance(r.choices[0].message.parsed, Owner)
+    r = client.responses.parse(model="k3-tiny", input="an owner", text_format=Owner, max_output_tokens=200,
+                               reasoning={"effort": "none"})
+    assert isinstance(r.output_parsed, Owner)
