@@ -148,7 +148,7 @@ def test_model_retrieve_and_head(client, live_server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     for path in ("/v1/models", "/v1/models/k3-tiny", "/health", "/metrics", "/v1/chat/completions",
-                 "/v1/completions"):
+                 "/v1/completions", "/v1/responses", "/v1/messages"):
         req = urllib.request.Request(live_server.base_url + path, method="HEAD")
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200 and r.read() == b""
