@@ -46,7 +46,8 @@ MESSAGES = [{"tool_choice": "any"}, {"tool_choice": {"type": "tool"}}, {"tool_ch
             {"output_config": {"effort": "huge"}}, {"output_config": {"format": {"type": "json_schema"}}},
             {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
             {"output_format": {"type": "xml"}},
-            {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": 5}]}]},
+            {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f",
+                                                             "input": 5}]}]},
             {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
                                                         "content": [{"type": "image"}]}]}]}]
 
