@@ -113,8 +113,9 @@ def chat_body(body: Any) -> dict:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise bad("tools", "must be a list of tool objects", "invalid_type")
         out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
-                                                          "parameters": t.get("input_schema")}}
-                        for t in tools if isinstance(t, dict) and t.get("type") in (None, "custom")]
+                                                          "parameters": t.get("input_schema"),
+                                                          "strict": t.get("strict")}}
+                        for t in tools if t.get("type") in (None, "custom")]
     tc = body.get("tool_choice")
     if tc is not None and not isinstance(tc, dict):
         raise bad("tool_choice", "must be an object like {'type': 'auto' | 'any' | 'tool' | 'none'}", "invalid_type")

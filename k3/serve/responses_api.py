@@ -137,7 +137,7 @@ def chat_body(body: Any, history: list[dict]) -> tuple[dict, list[dict]]:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("tools", "must be a list", "invalid_type")
-        out["tools"] = [{"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")
+        out["tools"] = [{"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters", "strict")
                                                           if t.get(k) is not None}}
                         for t in tools if isinstance(t, dict) and t.get("type", "function") == "function"]
     tc = body.get("tool_choice")

@@ -247,10 +247,14 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
 
 
 async def _constraint(st: _State, req: ChatRequest, max_tokens: int) -> Any:
-    """A grammar-constraint factory for tool_choice required / named and JSON response formats, else None.
-    Thinking may use all but `structured_reserve_tokens` (at most half) of the budget."""
-    spec = StructuredSpec(thinking=req.thinking, tools=req.tools or [],
-                          tool_choice="required" if req.tool_choice == "required" else None,
+    """A grammar-constraint factory for tool_choice required / named, JSON response formats and tool_choice
+    auto (or absent) when every tool is `strict`, else None. Thinking may use all but
+    `structured_reserve_tokens` (at most half) of the budget when the output must reach a constrained part."""
+    tools = req.tools or []
+    strict = bool(tools) and all(t["function"].get("strict") is True for t in tools)
+    choice = req.tool_choice if req.tool_choice == "required" else (
+        "auto" if strict and req.tool_choice in (None, "auto") and req.named_tool is None else None)
+    spec = StructuredSpec(thinking=req.thinking, tools=tools, tool_choice=choice,
                           named_tool=req.named_tool, response_format=req.response_format,
                           parallel=req.parallel_tool_calls)
     if not spec.active or not st.cfg.structured_outputs:

@@ -1,6 +1,7 @@
 """Malformed requests on the agent APIs and unreadable schemas for structured outputs get a 4xx in the
 API's own error shape (OpenAI for chat / Responses, Anthropic for Messages), never a 500, and the
-server keeps answering. In-process with the scripted engine of test_server.py."""
+server keeps answering; `strict` tool flags survive the translation to chat. In-process with the
+scripted engine of test_server.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
+from k3.serve import anthropic_api, responses_api
 from k3.serve.server import ServerConfig, build_app
 from tests.serve.test_server import FakeEngine, scripted_reply
 
@@ -84,3 +86,15 @@ def test_responses_and_messages_errors_keep_their_shapes(client):
         got = _post(client, "/v1/messages", {"max_tokens": 4, "messages": USER, **body})
         assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
     assert client.post("/v1/messages", json={"model": "m", "max_tokens": 4, "messages": USER}).status_code == 200
+
+
+def test_strict_tools_reach_the_chat_request():
+    """`strict` on Responses and Messages tools is kept, so tool_choice auto with strict tools is
+    grammar-enforced on every API (k3.serve.server._constraint reads it from the chat tools)."""
+    params = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body, _ = responses_api.chat_body({"model": "m", "input": "x", "tools": [
+        {"type": "function", "name": "f", "parameters": params, "strict": True}]}, [])
+    assert body["tools"][0]["function"]["strict"] is True
+    body = anthropic_api.chat_body({"model": "m", "max_tokens": 4, "messages": USER, "tools": [
+        {"name": "f", "input_schema": params, "strict": True}, {"name": "g", "input_schema": params}]})
+    assert [t["function"]["strict"] for t in body["tools"]] == [True, None]

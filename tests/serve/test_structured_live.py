@@ -160,3 +160,19 @@ def test_sdk_parse_with_pydantic_models(client):
     r = client.responses.parse(model="k3-tiny", input="an owner", text_format=Owner, max_output_tokens=200,
                                reasoning={"effort": "none"})
     assert isinstance(r.output_parsed, Owner)
+
+
+def test_auto_with_strict_tools(client, tokenizer):
+    """tool_choice auto (absent) with every tool `strict`: the model may write text, and any call it
+    makes has valid arguments. A random model rarely opens a tools block on its own: a logit_bias on
+    the XTML <|open|> / <|close|> markers (where the grammar allows them) makes it call."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in LIVE_TOOLS]
+    bias = {str(tokenizer.special_id("<|close|>")): 8, str(tokenizer.special_id("<|open|>")): 12}
+    kw = dict(model="k3-tiny", messages=MSGS, tools=strict, max_tokens=200, temperature=1.0, seed=1, logit_bias=bias,
+              parallel_tool_calls=False, extra_body=NO_THINK)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    valid_calls(r.choices[0].message.tool_calls)
+    _, finish, calls = _streamed(client.chat.completions.create(**{**kw, "seed": 2}, stream=True))
+    assert finish == "tool_calls" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
