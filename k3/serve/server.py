@@ -46,7 +46,9 @@ class ServerConfig:
     fit the context left to what fits (reported in the `x-k3-max-tokens-clamped` header) instead of a 400.
     structured_outputs: enforce tool_choice required / named and JSON response formats by grammar
     (k3.serve.structured); structured_reserve_tokens: of such a request's max_tokens, this many (at most
-    half) are kept for the constrained part: the think channel is closed when the rest is used up."""
+    half) are kept for the constrained part: the think channel is closed when the rest is used up.
+    strict_tools: also enforce tool_choice auto (or absent) when every tool is `strict` (such rows take no
+    speculative drafts)."""
 
     model_names: tuple[str, ...] = ("k3",)
     default_max_tokens: int = 4096
@@ -57,6 +59,7 @@ class ServerConfig:
     clamp_max_tokens: bool = False
     structured_outputs: bool = True
     structured_reserve_tokens: int = 512
+    strict_tools: bool = True
 
 
 class _State:
@@ -251,7 +254,7 @@ async def _constraint(st: _State, req: ChatRequest, max_tokens: int) -> Any:
     auto (or absent) when every tool is `strict`, else None. Thinking may use all but
     `structured_reserve_tokens` (at most half) of the budget when the output must reach a constrained part."""
     tools = req.tools or []
-    strict = bool(tools) and all(t["function"].get("strict") is True for t in tools)
+    strict = st.cfg.strict_tools and bool(tools) and all(t["function"].get("strict") is True for t in tools)
     choice = req.tool_choice if req.tool_choice == "required" else (
         "auto" if strict and req.tool_choice in (None, "auto") and req.named_tool is None else None)
     spec = StructuredSpec(thinking=req.thinking, tools=tools, tool_choice=choice,

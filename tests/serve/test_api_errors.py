@@ -98,3 +98,20 @@ def test_strict_tools_reach_the_chat_request():
     body = anthropic_api.chat_body({"model": "m", "max_tokens": 4, "messages": USER, "tools": [
         {"name": "f", "input_schema": params, "strict": True}, {"name": "g", "input_schema": params}]})
     assert [t["function"]["strict"] for t in body["tools"]] == [True, None]
+
+
+def test_strict_tools_option(tokenizer):
+    """ServerConfig.strict_tools (CLI --no-strict-tools) decides whether tool_choice auto with strict
+    tools gets a grammar; a non-strict tool among them never does."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    for on, tools, want in ((True, [tool], True), (False, [tool], False), (True, [tool, loose], False)):
+        fake = FakeEngine(tokenizer, scripted_reply(tokenizer))
+        seen = []
+        submit_n = fake.submit_n
+        fake.submit_n = lambda p, params, n, **kw: seen.append(kw.get("constraint")) or submit_n(p, params, n, **kw)
+        app = build_app(fake, tokenizer, ServerConfig(model_names=("m",), strict_tools=on))
+        with TestClient(app) as c:
+            r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "tools": tools, "max_tokens": 4})
+        assert r.status_code == 200 and (seen[0] is not None) == want
