@@ -21,7 +21,7 @@ from k3.serve.engine import Engine, EngineConfig
 from k3.serve.logits import make_adjust
 from k3.serve.sampling import SamplingParams
 from k3.serve.structured import GrammarCompiler, StructuredSpec
-from tests.serve.test_structured_live import PERSON
+from tests.serve.schemas import PERSON
 
 FMT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
 REPEAT = [5, 6, 7, 8, 9] * 8  # a prompt whose suffix recurs: the n-gram proposer always finds drafts

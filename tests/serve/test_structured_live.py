@@ -12,6 +12,8 @@ import openai
 import pydantic
 import pytest
 
+from tests.serve.schemas import PERSON
+
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -28,10 +30,6 @@ S = {"type": "object", "properties": {"q": {"type": "string", "minLength": 1, "m
 LIVE_TOOLS = [{"type": "function", "function": {"name": "w", "parameters": W, "strict": True}},
               {"type": "function", "function": {"name": "s", "parameters": S}}]
 SCHEMAS = {"w": W, "s": S}
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINK = {"thinking": {"type": "disabled"}}
 
