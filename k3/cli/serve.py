@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clamp-max-tokens", action="store_true",
                    help="lower a max_tokens / max_completion_tokens that does not fit the context left to what fits "
                         "(reported in the x-k3-max-tokens-clamped response header) instead of answering 400")
+    p.add_argument("--no-strict-tools", action="store_true",
+                   help="do not grammar-enforce tool_choice auto when every tool is strict (tool_choice required / "
+                        "named and JSON response formats stay enforced)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on CUDA (no CUDA graphs)")
     p.add_argument("--cuda-graph-max-len", type=int, default=16384,
                    help="contexts up to this many tokens decode in CUDA graphs, longer ones eagerly")
@@ -131,7 +134,7 @@ def build(args: argparse.Namespace):
     names = tuple(n.strip() for n in (args.served_model_name or name).split(",") if n.strip())
     scfg = ServerConfig(model_names=names, default_max_tokens=args.default_max_tokens,
                         max_image_bytes=int(args.max_image_mb * (1 << 20)), allow_local_media=not args.no_local_media,
-                        clamp_max_tokens=args.clamp_max_tokens)
+                        clamp_max_tokens=args.clamp_max_tokens, strict_tools=not args.no_strict_tools)
     app = build_app(AsyncEngine(engine), tokenizer, scfg)
     return app, engine
 

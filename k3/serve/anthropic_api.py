@@ -4,7 +4,8 @@ A request is translated into a chat request: `system` -> system message; content
 `thinking` (preserved reasoning), `tool_use` (assistant tool calls; `input` -> arguments JSON) and
 `tool_result` (user turn -> tool messages); tools `{name, description, input_schema}`; tool_choice
 auto / any (-> required) / tool (-> named) / none; `thinking.type` disabled -> non-thinking rendering
-(K3 otherwise always thinks); `stop_sequences`, `max_tokens`, sampling fields. The reply has
+(K3 otherwise always thinks); `output_config` effort / json_schema format; `stop_sequences` (a match
+is reported as stop_reason "stop_sequence"), `max_tokens`, sampling fields. The reply has
 `thinking`, `text` and `tool_use` blocks and Anthropic stop reasons; streaming sends message_start,
 content_block_start / _delta / _stop, message_delta and message_stop events. Errors use Anthropic's
 `{"type": "error", "error": {"type", "message"}}` body.
@@ -102,16 +103,22 @@ def chat_body(body: Any) -> dict:
     for k in ("temperature", "top_p", "top_k", "ignore_eos"):  # ignore_eos: k3 extension (benchmarks, tests)
         if body.get(k) is not None:
             out[k] = body[k]
-    if body.get("stop_sequences"):
-        out["stop"] = body["stop_sequences"]
+    stops = body.get("stop_sequences")
+    if stops is not None and not isinstance(stops, list):
+        raise bad("stop_sequences", "must be a list of strings", "invalid_type")
+    if stops:
+        out["stop"] = stops
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise bad("tools", "must be a list", "invalid_type")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise bad("tools", "must be a list of tool objects", "invalid_type")
         out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
-                                                          "parameters": t.get("input_schema")}}
-                        for t in tools if isinstance(t, dict) and t.get("type") in (None, "custom")]
+                                                          "parameters": t.get("input_schema"),
+                                                          "strict": t.get("strict")}}
+                        for t in tools if t.get("type") in (None, "custom")]
     tc = body.get("tool_choice")
+    if tc is not None and not isinstance(tc, dict):
+        raise bad("tool_choice", "must be an object like {'type': 'auto' | 'any' | 'tool' | 'none'}", "invalid_type")
     if isinstance(tc, dict):
         kind = tc.get("type")
         if kind == "any":
@@ -124,9 +131,38 @@ def chat_body(body: Any) -> dict:
             raise bad("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}")
         if tc.get("disable_parallel_tool_use"):
             out["parallel_tool_calls"] = False
+    out.update(_output_config(body))
     th = body.get("thinking")
+    if th is not None and not isinstance(th, dict):
+        raise bad("thinking", "must be an object like {'type': 'enabled' | 'disabled'}", "invalid_type")
     if isinstance(th, dict) and th.get("type") == "disabled":
         out["thinking"] = {"type": "disabled"}
+    return out
+
+
+_EFFORT = {"low": "low", "medium": "medium", "high": "high", "xhigh": "max", "max": "max"}
+
+
+def _output_config(body: dict) -> dict:
+    """`output_config` {effort, format} (and the older top-level `output_format`) -> chat fields:
+    reasoning_effort, and a json_schema response_format (grammar-enforced)."""
+    oc = body.get("output_config")
+    if oc is not None and not isinstance(oc, dict):
+        raise bad("output_config", "must be an object", "invalid_type")
+    oc = oc or {}
+    out: dict[str, Any] = {}
+    fmt, where = (oc.get("format"), "output_config.format") if oc.get("format") is not None else (
+        body.get("output_format"), "output_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise bad(where, "must be {'type': 'json_schema', 'schema': {...}}")
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+    effort = oc.get("effort")
+    if effort is not None:
+        if not isinstance(effort, str) or effort not in _EFFORT:
+            raise bad("output_config.effort", f"must be one of {', '.join(_EFFORT)}, got {effort!r}")
+        out["reasoning_effort"] = _EFFORT[effort]
     return out
 
 
@@ -154,6 +190,7 @@ class MessageBuilder:
         self.tracker = BlockTracker()
         self.usage: dict | None = None
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
 
     def usage_json(self) -> dict:
         u = self.usage or {"prompt_tokens": 0, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}}
@@ -164,8 +201,13 @@ class MessageBuilder:
     def body(self, done: bool) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": [block_json(b, True) for b in self.tracker.blocks] if done else [],
-                "stop_reason": _STOP.get(self.finish_reason or "", "end_turn") if done else None,
-                "stop_sequence": None, "usage": self.usage_json()}
+                "stop_reason": self.stop_reason() if done else None,
+                "stop_sequence": self.stop_sequence if done else None, "usage": self.usage_json()}
+
+    def stop_reason(self) -> str:
+        if self.stop_sequence is not None and self.finish_reason == "stop":
+            return "stop_sequence"
+        return _STOP.get(self.finish_reason or "", "end_turn")
 
     def events(self, ev: BlockEvent) -> list[str]:
         b = ev.block
@@ -200,7 +242,7 @@ def add_routes(app: FastAPI, st: Any, api: Any) -> None:
             evs = [e for d in asm.deltas(out) for e in mb.tracker.feed(d)]
             if out.finished:
                 evs += mb.tracker.finish()
-                mb.usage, mb.finish_reason = asm.usage, asm.finish_reason
+                mb.usage, mb.finish_reason, mb.stop_sequence = asm.usage, asm.finish_reason, asm.stop_str
             return evs
 
         if run.req.common.stream:
@@ -223,8 +265,8 @@ async def _stream(mb: MessageBuilder, run: Any, feed: Callable) -> AsyncIterator
                 for line in mb.events(ev):
                     yield line
         if mb.usage is not None:
-            yield sse("message_delta", {"delta": {"stop_reason": mb.body(True)["stop_reason"], "stop_sequence": None},
-                                        "usage": {"output_tokens": mb.usage["completion_tokens"]}})
+            yield sse("message_delta", {"delta": {"stop_reason": mb.stop_reason(), "stop_sequence": mb.stop_sequence},
+                                        "usage": mb.usage_json()})  # cumulative: the SDKs overwrite
             yield sse("message_stop", {})
     finally:
         run.close()

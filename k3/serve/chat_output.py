@@ -65,6 +65,7 @@ class ChatAssembler:
         self.logprobs: list[dict] = []
         self.close_ids = list(close_ids)
         self.finish_reason: str | None = None
+        self.stop_str: str | None = None  # the stop string that ended the output, if one did
         self.usage: dict | None = None
 
     # ---- shared --------------------------------------------------------------------------------------
@@ -80,6 +81,7 @@ class ChatAssembler:
             events += self.parser.finish(close_calls=forced)
             self.usage = usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)
             self.finish_reason = self._finish_reason(out.finish_reason)
+            self.stop_str = out.stop_str
         deltas: list[dict] = []
         for ev in events:
             if ev.kind == "reasoning":

@@ -109,6 +109,7 @@ class RequestOutput:
     new_token_ids / new_text / new_logprobs: released since the last output (stop ids are in the
     ids, never in the text). new_logprobs: per new token (logprob, [(id, logprob)] top) or None.
     finish_reason: None while running; "stop" | "length" | "abort" | "error".
+    stop_str: on the final output, the stop string that ended the request (None for a stop id).
     """
 
     request_id: str
@@ -124,6 +125,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    stop_str: str | None = None
 
 
 @dataclass
@@ -480,7 +482,7 @@ class Engine:
             new_logprobs=req.out_logprobs[n0:n1], finished=final, finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens or 0, output_tokens=len(req.out_ids),
             arrival_time=req.arrival, first_token_time=req.first_token_time, finish_time=req.finish_time,
-            error=req.error,
+            error=req.error, stop_str=req.detok.matched if final and req.finish_reason == "stop" else None,
         )
 
     # ---- weight updates (RL) ---------------------------------------------------------------------------

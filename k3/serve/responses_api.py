@@ -45,6 +45,22 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a `reasoning` input item: its `content` then `summary` parts ({type, text} objects)."""
+    out = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise bad(f"{where}.{key}", "must be a list of {type, text} parts", "invalid_type")
+        for k, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text", ""), str):
+                raise bad(f"{where}.{key}[{k}]", "must be an object with a string `text`", "invalid_type")
+            out.append(part.get("text", ""))
+    return "".join(out)
+
+
 def input_messages(items: Any) -> list[dict]:
     """Responses input (a string or a list of items) -> chat messages."""
     if isinstance(items, str):
@@ -73,10 +89,8 @@ def input_messages(items: Any) -> list[dict]:
             else:
                 msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "reasoning":
-            parts = (it.get("content") or []) + (it.get("summary") or [])
             a = assistant()
-            a["reasoning_content"] = a.get("reasoning_content", "") + "".join(
-                p.get("text", "") for p in parts if isinstance(p, dict))
+            a["reasoning_content"] = a.get("reasoning_content", "") + _reasoning_text(it, w)
         elif kind == "function_call":
             if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
                 raise bad(w, "a function_call needs string `name` and `call_id`")
@@ -94,16 +108,26 @@ def input_messages(items: Any) -> list[dict]:
     return msgs
 
 
-def chat_body(body: Any, history: list[dict]) -> dict:
-    """A Responses request -> an OpenAI chat body (history: the previous response's conversation)."""
+def _object(body: dict, name: str) -> dict:
+    """An optional object-valued field ({} when absent)."""
+    v = body.get(name)
+    if v is not None and not isinstance(v, dict):
+        raise bad(name, "must be an object", "invalid_type")
+    return v or {}
+
+
+def chat_body(body: Any, history: list[dict]) -> tuple[dict, list[dict]]:
+    """A Responses request -> (an OpenAI chat body, the conversation to store with the response).
+    history: the previous response's conversation. `instructions` lead the chat messages but are not
+    part of the stored conversation (OpenAI: they do not carry over through previous_response_id)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_body")
-    msgs = list(history)
+    convo = list(history) + input_messages(body.get("input"))
+    msgs = convo
     if body.get("instructions"):
         if not isinstance(body["instructions"], str):
             raise bad("instructions", "must be a string", "invalid_type")
-        msgs = [{"role": "system", "content": body["instructions"]}] + msgs
-    msgs += input_messages(body.get("input"))
+        msgs = [{"role": "system", "content": body["instructions"]}] + convo
     out: dict[str, Any] = {"model": body.get("model"), "messages": msgs, "stream": body.get("stream", False)}
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("parallel_tool_calls", "parallel_tool_calls"), ("seed", "seed"), ("ignore_eos", "ignore_eos")):
@@ -113,7 +137,7 @@ def chat_body(body: Any, history: list[dict]) -> dict:
     if tools is not None:
         if not isinstance(tools, list):
             raise bad("tools", "must be a list", "invalid_type")
-        out["tools"] = [{"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters")
+        out["tools"] = [{"type": "function", "function": {k: t.get(k) for k in ("name", "description", "parameters", "strict")
                                                           if t.get(k) is not None}}
                         for t in tools if isinstance(t, dict) and t.get("type", "function") == "function"]
     tc = body.get("tool_choice")
@@ -121,20 +145,22 @@ def chat_body(body: Any, history: list[dict]) -> dict:
         out["tool_choice"] = {"type": "function", "function": {"name": tc.get("name")}}
     elif tc is not None:
         out["tool_choice"] = tc
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    fmt = _object(body, "text").get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")):
+        raise bad("text.format", "must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         out["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "output"), "schema": fmt.get("schema"), "strict": fmt.get("strict", False)}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         out["response_format"] = {"type": "json_object"}
-    effort = (body.get("reasoning") or {}).get("effort") if isinstance(body.get("reasoning"), dict) else None
+    effort = _object(body, "reasoning").get("effort")
     if effort == "none":
         out["thinking"] = {"type": "disabled"}
     elif effort is not None:
-        if effort not in _EFFORT:
+        if not isinstance(effort, str) or effort not in _EFFORT:
             raise bad("reasoning.effort", f"must be one of {', '.join(_EFFORT)} or none, got {effort!r}")
         out["reasoning_effort"] = _EFFORT[effort]
-    return out
+    return out, convo
 
 
 def output_item(b: Block, done: bool) -> dict:
@@ -240,17 +266,20 @@ def add_routes(app: FastAPI, st: Any, api: Any) -> None:
         try:
             body = await api.read_json(st, request)
             prev = body.get("previous_response_id") if isinstance(body, dict) else None
+            if prev is not None and not isinstance(prev, str):
+                raise bad("previous_response_id", "must be a string", "invalid_type")
+            if isinstance(body, dict) and body.get("store") is not None and not isinstance(body["store"], bool):
+                raise bad("store", "must be a boolean", "invalid_type")
             if prev is not None and prev not in stored:
                 raise bad("previous_response_id", f"response {prev!r} not found (not stored or evicted)",
                           "previous_response_not_found")
-            cb = chat_body(body, stored[prev][1] if prev else [])
+            cb, messages = chat_body(body, stored[prev][1] if prev else [])
             run = await api.start_chat(st, cb)
         except (APIError, Overloaded, ValueError) as e:
             return api.error_response(st, e)
         st.count("status_200")
         rb = ResponseBuilder(run.req.common.model, prev)
         asm, store = run.asms[0], body.get("store", True) is not False
-        messages = cb["messages"]
 
         def feed(out: Any) -> list[BlockEvent]:
             evs = [e for d in asm.deltas(out) for e in rb.tracker.feed(d)]

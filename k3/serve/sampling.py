@@ -152,6 +152,7 @@ class Detokenizer:
     char_end: list[int] = field(default_factory=list)  # len(text) after each token
     released: int = 0
     stopped_at: int | None = None  # character index of a stop-string match
+    matched: str | None = None  # the stop string that matched
 
     def __post_init__(self) -> None:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -168,10 +169,10 @@ class Detokenizer:
         self.char_end.append(len(self.text))
         if self.stop:
             start = max(0, self._searched - self._hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             self._searched = len(self.text)
             if hits:
-                self.stopped_at = min(hits)
+                self.stopped_at, self.matched = min(hits)  # the earliest match (ties: any)
                 self.text = self.text[: self.stopped_at]
                 return True
         return False
@@ -204,6 +205,7 @@ class NullDetokenizer:
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.released = 0
+        self.matched: str | None = None
 
     def add(self, token_id: int) -> bool:
         self.ids.append(token_id)

@@ -46,7 +46,9 @@ class ServerConfig:
     fit the context left to what fits (reported in the `x-k3-max-tokens-clamped` header) instead of a 400.
     structured_outputs: enforce tool_choice required / named and JSON response formats by grammar
     (k3.serve.structured); structured_reserve_tokens: of such a request's max_tokens, this many (at most
-    half) are kept for the constrained part: the think channel is closed when the rest is used up."""
+    half) are kept for the constrained part: the think channel is closed when the rest is used up.
+    strict_tools: also enforce tool_choice auto (or absent) when every tool is `strict` (such rows take no
+    speculative drafts)."""
 
     model_names: tuple[str, ...] = ("k3",)
     default_max_tokens: int = 4096
@@ -57,6 +59,7 @@ class ServerConfig:
     clamp_max_tokens: bool = False
     structured_outputs: bool = True
     structured_reserve_tokens: int = 512
+    strict_tools: bool = True
 
 
 class _State:
@@ -247,10 +250,14 @@ async def _handle(st: _State, request: Request, *, chat: bool) -> Response:
 
 
 async def _constraint(st: _State, req: ChatRequest, max_tokens: int) -> Any:
-    """A grammar-constraint factory for tool_choice required / named and JSON response formats, else None.
-    Thinking may use all but `structured_reserve_tokens` (at most half) of the budget."""
-    spec = StructuredSpec(thinking=req.thinking, tools=req.tools or [],
-                          tool_choice="required" if req.tool_choice == "required" else None,
+    """A grammar-constraint factory for tool_choice required / named, JSON response formats and tool_choice
+    auto (or absent) when every tool is `strict`, else None. Thinking may use all but
+    `structured_reserve_tokens` (at most half) of the budget when the output must reach a constrained part."""
+    tools = req.tools or []
+    strict = st.cfg.strict_tools and bool(tools) and all(t["function"].get("strict") is True for t in tools)
+    choice = req.tool_choice if req.tool_choice == "required" else (
+        "auto" if strict and req.tool_choice in (None, "auto") and req.named_tool is None else None)
+    spec = StructuredSpec(thinking=req.thinking, tools=tools, tool_choice=choice,
                           named_tool=req.named_tool, response_format=req.response_format,
                           parallel=req.parallel_tool_calls)
     if not spec.active or not st.cfg.structured_outputs:

@@ -8,6 +8,8 @@ syntax the parser (`k3.chat.parse`) reads:
     json:       JSON(schema)  <|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>
     tools:      <|close|>response<|sep|><|open|>tools<|sep|> call{1..k} <|close|>tools<|sep|>
                 <|close|>message<|sep|><|end_of_msg|>
+    auto:       text <|close|>response<|sep|> [<|open|>tools<|sep|> call{1..k} <|close|>tools<|sep|>]
+                <|close|>message<|sep|><|end_of_msg|>     (tool_choice auto with strict tools)
     call:       <|open|>call tool="NAME" index="i"<|sep|> argument* <|close|>call<|sep|>
     argument:   <|open|>argument key="K" type="T"<|sep|> value <|close|>argument<|sep|>
 
@@ -50,9 +52,11 @@ class StructuredSpec:
     """What to enforce for one chat request.
 
     thinking: the generation prompt opened the think channel. tools: the request's function tools.
-    tool_choice: "required" (at least one call of any tool) or None. named_tool: the prompt already
-    ends with this tool's call header (forced prefix); the grammar covers its arguments and the end.
-    response_format: the OpenAI `response_format` object. parallel: allow up to MAX_PARALLEL_CALLS calls.
+    tool_choice: "required" (at least one call of any tool), "auto" (free text, then optionally calls
+    with valid arguments: the server uses it when every tool is `strict`) or None. named_tool: the
+    prompt already ends with this tool's call header (forced prefix); the grammar covers its arguments
+    and the end. response_format: the OpenAI `response_format` object (it wins over "auto").
+    parallel: allow up to MAX_PARALLEL_CALLS calls.
     """
 
     thinking: bool
@@ -63,9 +67,17 @@ class StructuredSpec:
     parallel: bool = True
 
     @property
+    def json(self) -> bool:
+        return (self.response_format or {}).get("type") in ("json_object", "json_schema")
+
+    @property
     def active(self) -> bool:
-        rf = (self.response_format or {}).get("type")
-        return self.tool_choice == "required" or self.named_tool is not None or rf in ("json_object", "json_schema")
+        return self.tool_choice in ("required", "auto") or self.named_tool is not None or self.json
+
+    @property
+    def forced(self) -> bool:
+        """The output must reach a constrained part (calls or JSON): thinking gets a budget."""
+        return self.tool_choice == "required" or self.named_tool is not None or self.json
 
 
 class GrammarConstraint:
@@ -174,7 +186,7 @@ class GrammarCompiler:
         if template.is_error():
             raise GrammarError(f"cannot compile the output grammar: {template.get_error()[:300]}")
         close_id = self.tok.special_id(CLOSE)
-        budget = think_budget if spec.thinking and spec.named_tool is None else None
+        budget = think_budget if spec.thinking and spec.named_tool is None and spec.forced else None
         return lambda: GrammarConstraint(template.deep_copy(), ll.vocab_size, close_id, budget)
 
     # ---- grammar text ------------------------------------------------------------------------------
@@ -200,17 +212,22 @@ class GrammarCompiler:
         rf = (spec.response_format or {}).get("type")
         if spec.tool_choice == "required":
             body = self._calls(spec, rules)
-        elif rf in ("json_object", "json_schema"):
+        elif spec.json:
             schema = {"type": "object"}
             if rf == "json_schema":
-                schema = (spec.response_format.get("json_schema") or {}).get("schema") or {}
+                schema = (spec.response_format.get("json_schema") or {}).get("schema")
+                schema = {} if schema is None else schema  # no schema: any JSON value
             rules.append(f"body: %json{_json_schema(schema)}")
             body = "body " + self._ids(lambda b: b.close_tag("response"))
+        elif spec.tool_choice == "auto":
+            rules.append("text: /(?s:.*)/")
+            body = "text " + self._calls(spec, rules, optional=True)
         else:
             raise GrammarError("nothing to constrain")
         return "\n".join([f"start: {head} {body} {end}"] + rules)
 
-    def _calls(self, spec: StructuredSpec, rules: list[str]) -> str:
+    def _calls(self, spec: StructuredSpec, rules: list[str], optional: bool = False) -> str:
+        """The end of the response channel and the tools block (optional: the block may be absent)."""
         tools = spec.tools
         if not tools:
             raise GrammarError("tool_choice needs tools")
@@ -224,8 +241,8 @@ class GrammarCompiler:
                 alts.append(f"{self._ids(lambda b: b.open_tag('call', [('tool', name), ('index', i)]))} {a} {close_call}")
             nxt = f" call{i + 1}?" if i < k_max else ""
             rules.append(f"call{i}: ({' | '.join(alts)}){nxt}")
-        return (self._ids(lambda b: (b.close_tag("response"), b.open_tag("tools"))) + " call1 "
-                + self._ids(lambda b: b.close_tag("tools")))
+        block = (self._ids(lambda b: b.open_tag("tools")) + " call1 " + self._ids(lambda b: b.close_tag("tools")))
+        return self._ids(lambda b: b.close_tag("response")) + (f" ({block})?" if optional else f" {block}")
 
     def _args(self, tool: dict, prefix: str, rules: list[str]) -> str:
         """Rule name of a tool's argument list (properties in declared order, optional ones may be left
@@ -234,7 +251,10 @@ class GrammarCompiler:
         props = params.get("properties") or {}
         if not isinstance(props, dict):
             raise GrammarError(f"tool {tool['function']['name']!r}: parameters.properties must be an object")
-        required = set(params.get("required") or [])
+        required = params.get("required") or []
+        if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+            raise GrammarError(f"tool {tool['function']['name']!r}: parameters.required must be a list of strings")
+        required = set(required)
         parts = []
         for j, (key, ps) in enumerate(props.items()):
             name = f"{prefix}a{j}"
@@ -268,10 +288,14 @@ def _types(ps: dict) -> list[str]:
     t = ps.get("type")
     if isinstance(t, str):
         t = [t]
+    if t is not None and not (isinstance(t, list) and all(isinstance(x, str) for x in t)):
+        raise GrammarError(f"a JSON schema `type` must be a string or a list of strings, got {t!r:.80}")
     if not t:
         values = ps.get("enum") if isinstance(ps.get("enum"), list) else [ps["const"]] if "const" in ps else None
         if values is None:
             return ["string", "number", "boolean", "null", "object", "array"]
+        if not values:
+            raise GrammarError("an empty `enum` admits no value")
         kinds = {"string" if isinstance(v, str) else "boolean" if isinstance(v, bool) else "null" if v is None
                  else "number" if isinstance(v, (int, float)) else "array" if isinstance(v, list) else "object"
                  for v in values}

@@ -34,11 +34,18 @@ def test_n_choices_share_one_prefill(client, live_server):
     # the prompt was computed once (what the prefix cache did not hold), not four times
     computed = r.usage.prompt_tokens - r.usage.prompt_tokens_details.cached_tokens
     assert metric(live_server, "prompt_tokens_computed_total") - before_tokens == computed > 0
-    stream = client.chat.completions.create(model="k3-tiny", messages=msgs, n=2, max_tokens=3, stream=True,
-                                            stream_options={"include_usage": True})
+    before_tokens = metric(live_server, "prompt_tokens_computed_total")
+    before_forks = metric(live_server, "forked_requests_total")
+    msgs = [{"role": "user", "content": "another question about the quick dog and its python file 23"}]
+    stream = client.chat.completions.create(model="k3-tiny", messages=msgs, n=4, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = list(stream)
     finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
-    assert finished == {0, 1} and chunks[-1].usage.completion_tokens <= 6
+    usage = chunks[-1].usage
+    assert finished == {0, 1, 2, 3} and usage.completion_tokens == 12
+    assert metric(live_server, "forked_requests_total") - before_forks == 3
+    computed = usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens
+    assert metric(live_server, "prompt_tokens_computed_total") - before_tokens == computed > 0
 
 
 def test_logit_bias_min_tokens_and_penalties(client, tokenizer):
@@ -59,6 +66,44 @@ def test_logit_bias_min_tokens_and_penalties(client, tokenizer):
     r = client.chat.completions.create(model="k3-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                        temperature=0, logit_bias=eos, extra_body={"min_tokens": 5})
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
+
+
+def _stream(client, chat: bool = True, **kw) -> tuple[str, str | None, int]:
+    """(text, finish_reason, completion tokens) of a one-choice stream (chat content or completion text)."""
+    kw = dict(model="k3-tiny", temperature=0, stream=True, stream_options={"include_usage": True}, **kw)
+    create = client.chat.completions.create if chat else client.completions.create
+    text, finish, used = "", None, None
+    for chunk in create(**kw):
+        for ch in chunk.choices:
+            text += (ch.delta.content or "") if chat else ch.text
+            finish = ch.finish_reason or finish
+        used = chunk.usage.completion_tokens if chunk.usage else used
+    return text, finish, used
+
+
+def test_sampling_fields_streamed(client, tokenizer):
+    """logit_bias, penalties, min_tokens, ignore_eos and skip_special_tokens on streams (chat and
+    completions), with the same outcomes as the non-stream tests above."""
+    fox = tokenizer.encode(" fox")[0]
+    hi = dict(messages=[{"role": "user", "content": "hi"}], extra_body={"thinking": {"type": "disabled"}})
+    assert _stream(client, max_tokens=4, logit_bias={str(fox): 100}, **{**hi, "extra_body": {
+        **hi["extra_body"], "ignore_eos": True}}) == (tokenizer.decode([fox]) * 4, "length", 4)
+    kw = dict(prompt="the quick brown", max_tokens=3, logit_bias={str(fox): 3}, extra_body={"ignore_eos": True})
+    assert _stream(client, chat=False, **kw)[0] == tokenizer.decode([fox]) * 3
+    text, _, _ = _stream(client, chat=False, **kw, frequency_penalty=2.0, presence_penalty=2.0)
+    assert text.count(tokenizer.decode([fox])) == 1 and text.startswith(" fox")
+    eos = {str(tokenizer.eos_id): 100}
+    assert _stream(client, max_tokens=8, logit_bias=eos, **hi)[1:] == ("stop", 1)
+    assert _stream(client, max_tokens=8, logit_bias=eos, **{**hi, "extra_body": {
+        **hi["extra_body"], "min_tokens": 5}})[1:] == ("stop", 6)
+    assert _stream(client, max_tokens=4, logit_bias=eos, **{**hi, "extra_body": {
+        **hi["extra_body"], "ignore_eos": True}})[1:] == ("length", 4)
+    reserved = next(i for name, i in tokenizer.special_tokens.items() if "reserved" in name)
+    text, _, used = _stream(client, max_tokens=3, logit_bias={str(reserved): 100}, **hi)
+    assert used == 3 and "<|" not in text
+    text, _, _ = _stream(client, max_tokens=3, logit_bias={str(reserved): 100}, **{**hi, "extra_body": {
+        **hi["extra_body"], "skip_special_tokens": False}})
+    assert "<|reserved_token_" in text
 
 
 def test_echo_and_batch_prompts(client):
@@ -103,7 +148,7 @@ def test_model_retrieve_and_head(client, live_server):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
     for path in ("/v1/models", "/v1/models/k3-tiny", "/health", "/metrics", "/v1/chat/completions",
-                 "/v1/completions"):
+                 "/v1/completions", "/v1/responses", "/v1/messages"):
         req = urllib.request.Request(live_server.base_url + path, method="HEAD")
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200 and r.read() == b""

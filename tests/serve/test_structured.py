@@ -68,3 +68,19 @@ def test_grammar_accepts_rendered_json_and_closes_thinking_at_budget(tokenizer):
     with pytest.raises(GrammarError):
         gc.compile(StructuredSpec(thinking=False, response_format={"type": "json_schema", "json_schema": {
             "schema": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}), 10)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_auto_with_strict_tools_allows_text_or_valid_calls(tokenizer, thinking):
+    """tool_choice auto (every tool strict): free text, with or without calls after it, but every call
+    has valid arguments; thinking is not cut short (nothing is forced)."""
+    gc = GrammarCompiler(tokenizer)
+    spec = StructuredSpec(thinking=thinking, tools=TOOLS, tool_choice="auto")
+    assert spec.active and not spec.forced
+    reasoning = "plan" if thinking else None
+    text = {"role": "assistant", "content": "It is sunny.", "reasoning_content": reasoning}
+    assert accepts(gc, spec, turn_ids(tokenizer, text, thinking), budget=1)
+    both = dict(text, tool_calls=[call("search", {"query": "rain"})])
+    assert accepts(gc, spec, turn_ids(tokenizer, both, thinking))
+    bad = dict(text, tool_calls=[call("get_weather", {"city": "Paris", "unit": "kelvin", "days": 3})])
+    assert not accepts(gc, spec, turn_ids(tokenizer, bad, thinking))

@@ -5,10 +5,14 @@ validates (grammar-constrained decoding, k3.serve.structured)."""
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
+
+from tests.serve.schemas import PERSON
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -26,10 +30,6 @@ S = {"type": "object", "properties": {"q": {"type": "string", "minLength": 1, "m
 LIVE_TOOLS = [{"type": "function", "function": {"name": "w", "parameters": W, "strict": True}},
               {"type": "function", "function": {"name": "s", "parameters": S}}]
 SCHEMAS = {"w": W, "s": S}
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINK = {"thinking": {"type": "disabled"}}
 
@@ -92,3 +92,85 @@ def test_bad_schema_is_a_400(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-tiny", messages=MSGS, response_format=fmt, max_tokens=8)
+
+
+def _streamed(stream) -> tuple[str, str | None, dict]:
+    """(content, finish_reason, {index: [name, arguments]}) of a one-choice chat stream."""
+    text, finish, calls = "", None, {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                c = calls.setdefault(d.index, ["", ""])
+                c[0] = d.function.name or c[0]
+                c[1] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return text, finish, calls
+
+
+def test_json_object_and_streamed_json_schema(client, tokenizer):
+    """json_object, non-stream twice (the repeat hits the prefix cache and still validates) and
+    streamed; json_schema streamed. A free object has unbounded keys and strings, which a random model
+    never closes on its own: a logit_bias on `"` and `}` (added before the grammar mask) ends them."""
+    bias = {str(tokenizer.encode('"')[0]): 5, str(tokenizer.encode("}")[0]): 3}
+    kw = dict(model="k3-tiny", messages=[{"role": "user", "content": "an object"}], max_tokens=120,
+              temperature=1.0, seed=3, logit_bias=bias, extra_body=NO_THINK, response_format={"type": "json_object"})
+    first, again = (client.chat.completions.create(**kw) for _ in range(2))
+    assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 1
+    for r in (first, again):
+        assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    assert again.choices[0].message.content == first.choices[0].message.content  # seeded: the same sample
+    text, finish, _ = _streamed(client.chat.completions.create(**kw, stream=True))
+    assert finish == "stop" and text == first.choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kw.pop("logit_bias")
+    text, finish, _ = _streamed(client.chat.completions.create(**{**kw, "response_format": fmt, "seed": 4},
+                                                               stream=True))
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_named_tool_choice_streamed(client):
+    named = {"type": "function", "function": {"name": "s"}}
+    _, finish, calls = _streamed(client.chat.completions.create(
+        model="k3-tiny", messages=MSGS, tools=LIVE_TOOLS, tool_choice=named, max_tokens=120, temperature=1.0, seed=2,
+        stream=True))
+    assert finish == "tool_calls" and [c[0] for c in calls.values()] == ["s"]
+    jsonschema.validate(json.loads(calls[0][1]), S)
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    age: int = pydantic.Field(ge=0, le=30)
+
+
+class Owner(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    pets: list[Pet] = pydantic.Field(max_length=2)
+
+
+def test_sdk_parse_with_pydantic_models(client):
+    """The SDKs' own structured-output helpers: a strict schema with `$defs` / `$ref` and titles."""
+    r = client.chat.completions.parse(model="k3-tiny", messages=[{"role": "user", "content": "an owner"}],
+                                      response_format=Owner, max_tokens=200, temperature=1.0, seed=1,
+                                      extra_body=NO_THINK)
+    assert isinstance(r.choices[0].message.parsed, Owner)
+    r = client.responses.parse(model="k3-tiny", input="an owner", text_format=Owner, max_output_tokens=200,
+                               reasoning={"effort": "none"})
+    assert isinstance(r.output_parsed, Owner)
+
+
+def test_auto_with_strict_tools(client, tokenizer):
+    """tool_choice auto (absent) with every tool `strict`: the model may write text, and any call it
+    makes has valid arguments. A random model rarely opens a tools block on its own: a logit_bias on
+    the XTML <|open|> / <|close|> markers (where the grammar allows them) makes it call."""
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in LIVE_TOOLS]
+    bias = {str(tokenizer.special_id("<|close|>")): 8, str(tokenizer.special_id("<|open|>")): 12}
+    kw = dict(model="k3-tiny", messages=MSGS, tools=strict, max_tokens=200, temperature=1.0, seed=1, logit_bias=bias,
+              parallel_tool_calls=False, extra_body=NO_THINK)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    valid_calls(r.choices[0].message.tool_calls)
+    _, finish, calls = _streamed(client.chat.completions.create(**{**kw, "seed": 2}, stream=True))
+    assert finish == "tool_calls" and len(calls) == 1
+    jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
