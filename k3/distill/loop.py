@@ -188,7 +188,8 @@ class DistillTrainer(OnPolicyTrainer):
             rec[f"kl/{name}"] = p["kl_sum"] / max(p["tok"], 1.0)
         for (d, e), atts in by_key.items():
             for k, v in attempt_stats(atts).items():
-                rec[f"{k}/{d}:{e}"] = v
+                if k != "task_reward":  # per-task means are for held-out pairing, not step records
+                    rec[f"{k}/{d}:{e}"] = v
         return rec
 
     def progress_text(self, rec: dict) -> str:
