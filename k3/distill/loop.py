@@ -92,7 +92,8 @@ class DistillTrainer(OnPolicyTrainer):
         self.router = Router(teachers or {s.key: load_teacher(s, self.tok.vocab_size, self.device)
                                           for s in cfg.teachers})
         self.domains = sorted({s.domain for s in cfg.teachers})
-        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial, tool_partial=cfg.tool_partial, runner=runner)
+        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial, tool_partial=cfg.tool_partial,
+                  runner=runner)
         self.train_tasks = {d: build_tasks((d,), "train", cfg.train_tasks, **kw) for d in self.domains}
         heldout = {d: build_tasks((d,), "heldout", cfg.eval_tasks, **kw) for d in self.domains}
         self.eval_tasks = {s.key: heldout[s.domain] for s in cfg.teachers}

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         think = " / ".join(f"{r[f'think_{e}']:.1f} ± {r.get(f'think_se_{e}', float('nan')):.1f}" for e in efforts)
         ans = " / ".join(f"{r[f'answer_{e}']:.1f}" for e in efforts)
         cap = " / ".join(f"{r[f'capped_{e}']:.0%}" for e in efforts)
-        print(f"| {ck} | {args.kind} | {args.cap_factor:g} | {r['reward']:.3f} ± {r.get('reward_se', float('nan')):.3f} | "
+        reward = f"{r['reward']:.3f} ± {r.get('reward_se', float('nan')):.3f}"
+        print(f"| {ck} | {args.kind} | {args.cap_factor:g} | {reward} | "
               f"{r['pass_rate']:.1%} | {think} | {ans} | {cap} |", flush=True)
         print(json.dumps({"checkpoint": ck, "kind": args.kind, "cap_factor": args.cap_factor} | r), file=sys.stderr)
     return 0
