@@ -10,7 +10,7 @@
 set -euo pipefail
 sft=${1:?usage: bench/distill_chain.sh SFT_FINAL OUT [DISTILL_STEPS]}
 out=${2:?usage: bench/distill_chain.sh SFT_FINAL OUT [DISTILL_STEPS]}
-steps=${3:-60}
+steps=${3:-40}
 k3=${K3:-python -m k3}
 run() {  # run NAME CMD...: time one stage, record wall seconds and the load average (skipped when OUT/NAME/final exists)
   local name=$1 t0; shift
