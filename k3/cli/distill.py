@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(teachers: dict, before: dict, after: dict) -> str:
     """Held-out reward and thinking tokens per (domain, effort): teacher, student before, student after
-    (± standard errors clustered by task; the ratio's by the delta method)."""
+    (± standard errors clustered by task; the ratio's paired by task, k3.distill.batch.paired_ratio, or
+    from the two marginal errors when per-task rewards are absent)."""
+    from k3.distill.batch import paired_ratio
+
     nan = float("nan")
     rows = ["| teacher | teacher reward | student before | student after | after/teacher | "
             "think teacher | think before | think after |", "|---|---|---|---|---|---|---|---|"]
@@ -84,6 +87,8 @@ def format_table(teachers: dict, before: dict, after: dict) -> str:
         ratio = ar / tr if tr == tr and tr > 0 else nan
         rse = ratio * ((a.get("reward_se", nan) / ar) ** 2 + (t.get("reward_se", nan) / tr) ** 2) ** 0.5 \
             if ratio == ratio and ar > 0 else nan
+        if t.get("task_reward") and a.get("task_reward"):
+            ratio, rse = paired_ratio(t, a)
         pm = lambda d, k, f: f"{d.get(k, nan):{f}} ± {d.get(k + '_se', nan):{f}}"  # noqa: E731
         rows.append(f"| {name} | {pm(t, 'reward', '.3f')} | {pm(b, 'reward', '.3f')} | {pm(a, 'reward', '.3f')} | "
                     f"{ratio:.0%} ± {rse:.0%} | {pm(t, 'think', '.1f')} | {pm(b, 'think', '.1f')} | "

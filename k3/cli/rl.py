@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on CPU)")
     p.add_argument("--math-partial", type=float, default=None,
                    help="shaped credit for a wrong integer answer (0 = exact match only; default 0.5)")
+    p.add_argument("--tool-partial", type=float, default=None,
+                   help="shaped credit of the lookup world when the submission is wrong: milestones reached "
+                        "(a tool call, a valid declared call, the target looked up) x P/3 (0 = exact; default 0.5)")
     p.add_argument("--judge", default=None,
                    help="reward source of tasks without a verifier: a k3 checkpoint DIR (in-process GenRM) or "
                         "http(s)://HOST:PORT/v1#MODEL (OpenAI-compatible endpoint)")
@@ -43,7 +46,7 @@ def build_config(args: argparse.Namespace):
     from k3.rl.tasks import parse_kinds
 
     cfg = RLConfig(base=args.base, out=args.out, tasks=parse_kinds(args.tasks), efforts=parse_efforts(args.efforts))
-    for key in ("max_steps", "seed", "device", "lr", "eval_tasks", "threads", "math_partial", "judge"):
+    for key in ("max_steps", "seed", "device", "lr", "eval_tasks", "threads", "math_partial", "tool_partial", "judge"):
         if getattr(args, key) is not None:
             setattr(cfg, key, getattr(args, key))
     if args.group_size is not None:

@@ -61,23 +61,47 @@ def _batch(items: list[Attempt], version_now: int) -> OPDBatch:
                     staleness=t(stale, torch.long), seq_ids=t(seq, torch.long))
 
 
-def attempt_stats(attempts: list[Attempt]) -> dict[str, float]:
+def attempt_stats(attempts: list[Attempt]) -> dict[str, Any]:
     """Mean reward, pass rate (score >= 1), thinking / answer / generated tokens; reward_se / think_se:
-    standard errors clustered by task (k3.rl.batch.cluster_se; left out below two tasks)."""
+    standard errors clustered by task (k3.rl.batch.cluster_se; left out below two tasks);
+    task_reward: {task_id: mean reward of its attempts} (for `paired_ratio`)."""
     if not attempts:
         return {}
     n = len(attempts)
     ids = [a.task.task_id for a in attempts]
+    per_task: dict[str, list[float]] = {}
+    for a in attempts:
+        per_task.setdefault(a.task.task_id, []).append(a.reward)
     se = {"reward_se": cluster_se([a.reward for a in attempts], ids),
           "think_se": cluster_se([a.think_tokens for a in attempts], ids)}
     return {"reward": sum(a.reward for a in attempts) / n, "pass_rate": sum(a.score >= 1.0 for a in attempts) / n,
             "think": sum(a.think_tokens for a in attempts) / n, "answer": sum(a.answer_tokens for a in attempts) / n,
-            "gen_tokens": sum(a.generated for a in attempts) / n, "attempts": float(n)} | \
+            "gen_tokens": sum(a.generated for a in attempts) / n, "attempts": float(n),
+            "task_reward": {t: sum(v) / len(v) for t, v in per_task.items()}} | \
         {k: v for k, v in se.items() if v == v}  # no standard error from fewer than two tasks
 
 
+def paired_ratio(teacher: dict[str, Any], student: dict[str, Any]) -> tuple[float, float]:
+    """Student / teacher held-out reward on the same tasks and its standard error, paired by task.
+
+    With per-task mean rewards t_i (teacher) and s_i (student) over the k tasks both evaluated,
+    R = Σ s_i / Σ t_i and se(R) = sqrt(Σ (s_i − R·t_i)² / (k(k − 1))) / mean(t): the ratio
+    estimator's delta-method error, which keeps the covariance of the two policies across tasks (an
+    easy task is easy for both), unlike combining the two marginal errors. (nan, nan) when the
+    teacher's reward is 0 or fewer than two tasks are shared."""
+    t, s = teacher.get("task_reward") or {}, student.get("task_reward") or {}
+    common = sorted(set(t) & set(s))
+    k = len(common)
+    tsum = sum(t[i] for i in common)
+    if k < 2 or tsum <= 0:
+        return float("nan"), float("nan")
+    r = sum(s[i] for i in common) / tsum
+    resid = sum((s[i] - r * t[i]) ** 2 for i in common)
+    return r, (resid / (k * (k - 1))) ** 0.5 / (tsum / k)
+
+
 def evaluate_policy(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], list], group: int,
-                    rollout: RolloutConfig, effort_cfg: EffortConfig, seed: int) -> dict[str, dict[str, float]]:
+                    rollout: RolloutConfig, effort_cfg: EffortConfig, seed: int) -> dict[str, dict[str, Any]]:
     """Held-out stats per 'domain:effort' of the policy `engine` serves: `group` sampled attempts per
     task (temperature of `rollout`, fixed seeds, no partial rollouts). tasks: (domain, effort) -> tasks."""
     pairs = [(t, e, key) for key, ts in tasks.items() for t in ts for e in [key[1]]]
@@ -93,4 +117,4 @@ def evaluate_policy(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], li
     return {k: attempt_stats(v) for k, v in by_key.items()}
 
 
-__all__ = ["OPDBatch", "attempt_stats", "evaluate_policy", "pack_attempts"]
+__all__ = ["OPDBatch", "attempt_stats", "evaluate_policy", "pack_attempts", "paired_ratio"]

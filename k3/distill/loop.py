@@ -92,7 +92,8 @@ class DistillTrainer(OnPolicyTrainer):
         self.router = Router(teachers or {s.key: load_teacher(s, self.tok.vocab_size, self.device)
                                           for s in cfg.teachers})
         self.domains = sorted({s.domain for s in cfg.teachers})
-        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial, runner=runner)
+        kw = dict(math_levels=cfg.math_levels, math_partial=cfg.math_partial, tool_partial=cfg.tool_partial,
+                  runner=runner)
         self.train_tasks = {d: build_tasks((d,), "train", cfg.train_tasks, **kw) for d in self.domains}
         heldout = {d: build_tasks((d,), "heldout", cfg.eval_tasks, **kw) for d in self.domains}
         self.eval_tasks = {s.key: heldout[s.domain] for s in cfg.teachers}
@@ -188,7 +189,8 @@ class DistillTrainer(OnPolicyTrainer):
             rec[f"kl/{name}"] = p["kl_sum"] / max(p["tok"], 1.0)
         for (d, e), atts in by_key.items():
             for k, v in attempt_stats(atts).items():
-                rec[f"{k}/{d}:{e}"] = v
+                if k != "task_reward":  # per-task means are for held-out pairing, not step records
+                    rec[f"{k}/{d}:{e}"] = v
         return rec
 
     def progress_text(self, rec: dict) -> str:

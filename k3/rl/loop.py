@@ -84,7 +84,8 @@ class RLTrainer(OnPolicyTrainer):
         if cfg.pg.kl_coef > 0:
             self.ref = K3ForCausalLM.from_pretrained(cfg.base, dtype=torch.float32).to(self.device).eval()
         self.budgets = BudgetTracker()
-        kw = dict(runner=runner, math_levels=cfg.math_levels, math_partial=cfg.math_partial)
+        kw = dict(runner=runner, math_levels=cfg.math_levels, math_partial=cfg.math_partial,
+                  tool_partial=cfg.tool_partial)
         self.train_tasks = build_tasks(cfg.tasks, "train", cfg.train_tasks, **kw)
         self.eval_tasks = build_tasks(cfg.tasks, "heldout", cfg.eval_tasks, **kw)
         if group_scorer is None and any(k in JUDGED_KINDS for k in cfg.tasks) and self.is_main:

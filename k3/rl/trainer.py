@@ -49,7 +49,8 @@ class OnPolicyConfig:
     """Fields shared by RLConfig and DistillConfig. lr / adamw_lr: Muon and AdamW learning rates
     (constant). train_tasks / eval_tasks: tasks per kind; eval_group: attempts per held-out (task,
     effort). micro_batch_tokens: tokens per forward/backward. memory_budget_mb: the engine's cache
-    budget. math_partial: shaped credit for a wrong integer answer (0 = exact only). threads: torch
+    budget. math_partial: shaped credit for a wrong integer answer (0 = exact only). tool_partial: the
+    lookup world's shaped credit for milestones short of a correct submission (k3.rl.tasks.tools). threads: torch
     intra-op threads (None: 1 on CPU, where decode is latency-bound; the library default on GPUs)."""
 
     out: str = "runs/rl"
@@ -68,6 +69,7 @@ class OnPolicyConfig:
     device: str | None = None
     math_levels: tuple[int, ...] = (1, 2)
     math_partial: float = 0.5
+    tool_partial: float = 0.5
     threads: int | None = None
     plots: bool = True
     pg: PGConfig = field(default_factory=PGConfig)
@@ -77,6 +79,8 @@ class OnPolicyConfig:
     def validate_common(self) -> None:
         if self.max_steps < 1 or self.train_tasks < 1 or self.eval_tasks < 0 or self.save_every < 1:
             raise ValueError("max_steps, train_tasks and save_every must be >= 1, eval_tasks >= 0")
+        if not (0.0 <= self.math_partial < 1.0 and 0.0 <= self.tool_partial < 1.0):
+            raise ValueError("--math-partial and --tool-partial must be in [0, 1) (a correct answer earns 1)")
         self.pg.validate()
         self.effort.validate()
         self.rollout.validate()

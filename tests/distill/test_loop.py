@@ -91,3 +91,21 @@ def test_cli_refuses_torchrun(dirs, tmp_path, monkeypatch, capsys):
                                       f"math:low={dirs['teacher']}", "--out", str(tmp_path)])
     assert args.func(args) == 2 and "one process" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_paired_ratio_by_hand():
+    from k3.distill.batch import paired_ratio
+
+    teacher = {"task_reward": {"a": 0.2, "b": 0.4, "c": 0.6, "only_t": 9.0}}
+    student = {"task_reward": {"a": 0.1, "b": 0.5, "c": 0.6, "only_s": 9.0}}
+    r, se = paired_ratio(teacher, student)
+    assert r == pytest.approx(1.2 / 1.2)                                  # shared tasks only
+    resid = (0.1 - 0.2) ** 2 + (0.5 - 0.4) ** 2 + 0.0                    # s_i - R t_i with R = 1
+    assert se == pytest.approx((resid / (3 * 2)) ** 0.5 / 0.4)
+    # a student that is the teacher scaled by 0.9 on every task has ratio 0.9 exactly and zero error
+    r, se = paired_ratio(teacher, {"task_reward": {k: 0.9 * v for k, v in teacher["task_reward"].items()}})
+    assert r == pytest.approx(0.9) and se == pytest.approx(0.0, abs=1e-12)
+    nan_pair = paired_ratio({"task_reward": {"a": 0.0, "b": 0.0}}, student)
+    assert all(x != x for x in nan_pair) and all(x != x for x in paired_ratio({}, student))
+    table = format_table({"m:low": teacher | {"reward": 0.4}}, {}, {"m:low": student | {"reward": 0.4}})
+    assert "100% ± 14%" in table                   # sqrt(0.02 / 6) / 0.4

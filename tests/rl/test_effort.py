@@ -89,3 +89,8 @@ def test_effort_eval_reports_lengths_and_cap_shares(tokenizer, tmp_path):
     for e in ("low", "high", "max"):
         assert 0.0 <= r[f"capped_{e}"] <= 1.0 and r[f"think_{e}"] >= 0
     assert r["attempts"] == 6
+    # the lookup world through the command line: one effort, the table row names the kind
+    from k3.rl.effort_eval import main
+
+    assert main([str(tmp_path), "--kind", "worlds", "--efforts", "low", "--tasks", "2", "--group", "1",
+                 "--cap-factor", "1"]) == 0

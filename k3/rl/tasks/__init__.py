@@ -51,9 +51,10 @@ def world_task(name: str, split: str, index: int) -> Task:
 
 def build_tasks(kinds: tuple[str, ...], split: str, n: int, *, runner: CodeRunner | None = None,
                 worlds: tuple[str, ...] = (), math_levels: tuple[int, ...] = (1, 2),
-                math_partial: float = 0.0) -> list[Task]:
+                math_partial: float = 0.0, tool_partial: float = 0.0) -> list[Task]:
     """n tasks per kind, interleaved. "code" needs a sandbox `runner`; `worlds` names extra
-    k3.envs.agents worlds mixed into "worlds" (the embedded lookup world is always there)."""
+    k3.envs.agents worlds mixed into "worlds" (the embedded lookup world is always there).
+    math_partial / tool_partial: shaped credit of the math verifier / the lookup world (0 = exact)."""
     per_kind: list[list[Task]] = []
     for kind in kinds:
         if kind == "math":
@@ -68,7 +69,7 @@ def build_tasks(kinds: tuple[str, ...], split: str, n: int, *, runner: CodeRunne
             if worlds and importlib.util.find_spec("k3.envs.agents") is None:
                 raise ValueError("world tasks other than the embedded lookup world need k3.envs.agents")
             names = ("lookup",) + tuple(worlds)
-            per_kind.append([lookup_task(split, i) if names[i % len(names)] == "lookup"
+            per_kind.append([lookup_task(split, i, tool_partial) if names[i % len(names)] == "lookup"
                              else world_task(names[i % len(names)], split, i) for i in range(n)])
         else:
             raise ValueError(f"unknown task kind {kind!r} (expected one of {', '.join(TASK_KINDS)})")
