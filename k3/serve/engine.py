@@ -187,9 +187,13 @@ class Engine:
         self.metrics = EngineMetrics()
         graphs = cfg.cuda_graphs and graphs_supported(model, self.device)
         self.paged_mla = self.device.type == "cuda" if cfg.paged_mla_decode is None else cfg.paged_mla_decode
+        spec_k = cfg.speculative_draft_tokens if draft is not None else cfg.speculative_ngram
+        # verify steps ([N, k + 1] tokens) and the draft's features come from the same static runner
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
-                                   use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
+                                   use_graphs=graphs, paged_mla=self.paged_mla, max_new=spec_k + 1,
+                                   capture_layers=draft.config.target_layers if draft is not None else ()
+                                   ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
                                     draft, cfg.speculative_draft_tokens)
 
@@ -395,12 +399,14 @@ class Engine:
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
         capture = self.spec.capture_layers if self.spec is not None else []  # a learned draft reads them
-        if decode and self.runner is not None and not capture:  # the graphs capture no hidden states
-            logits = self.runner.decode([r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs],
-                                        [r.slot for r in reqs], [r.pages for r in reqs])
-            if logits is not None:  # else: beyond the runner's buckets, run the dynamic path
+        if decode and self.runner is not None:
+            out = self.runner.run([[r.tokens[r.num_computed]] for r in reqs], [r.num_computed for r in reqs],
+                                  [r.slot for r in reqs], [r.pages for r in reqs])
+            if out is not None:  # else: beyond the runner's buckets, run the dynamic path
+                if out[1] is not None:
+                    self.spec.observe_rows(batch, out[1])
                 self._computed(batch)
-                return logits
+                return out[0][:, 0]
         cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=decode, paged_mla=self.paged_mla)
         if decode:

@@ -132,11 +132,7 @@ def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingPar
     if q is not None and q.shape[0] != k:
         raise ValueError(f"q must have len(draft) = {k} rows, got {q.shape[0]}")
     if params.greedy:
-        best = logits.argmax(-1).tolist()
-        n = 0
-        while n < k and draft[n] == best[n]:
-            n += 1
-        return list(draft[:n]) + [best[n]], n
+        return accept_greedy(logits.argmax(-1).tolist(), draft)
     p = target_probs(logits, [params] * (k + 1))
     rows, cols = torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)
     p_draft = p[rows, cols].tolist()
@@ -153,6 +149,18 @@ def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingPar
                 residual = p[j]
         return list(draft[:j]) + [sample_from(residual, rng.random())], j
     return list(draft) + [sample_from(p[k], rng.random())], k
+
+
+def accept_greedy(best: Sequence[int], draft: Sequence[int]) -> tuple[list[int], int]:
+    """Greedy chain acceptance: best[j] = the target's argmax after the draft's first j tokens (at least
+    len(draft) + 1 entries). Returns (the accepted drafts then the target's own token, drafts accepted)."""
+    k = len(draft)
+    if len(best) < k + 1:
+        raise ValueError(f"best must have len(draft) + 1 = {k + 1} entries, got {len(best)}")
+    n = 0
+    while n < k and draft[n] == best[n]:
+        n += 1
+    return list(draft[:n]) + [best[n]], n
 
 
 class TokenArray:
@@ -270,12 +278,76 @@ class SpeculativeDecoder:
             self.source.observe(r, r.num_computed, aux[off: off + n])
             off += n
 
+    def observe_rows(self, batch: list[tuple[Request, int]], aux: torch.Tensor) -> None:
+        """`observe_forward` for a static step: aux [N, T, F] (the runner's output, a view valid until its
+        next step: copied here once), row i's first n_i positions (batch (request, n_i), num_computed not
+        yet advanced)."""
+        aux = aux.clone()
+        for i, (r, n) in enumerate(batch):
+            self.source.observe(r, r.num_computed, aux[i, :n])
+
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The captured layers concatenated: [..., len(capture_layers) * H]."""
         return torch.cat([hidden[i] for i in self.capture_layers], -1)
 
     def run(self, drafted: list[Drafted]) -> list[Request]:
-        """Verify, accept and emit for every (request, drafts, q); returns the requests touched."""
+        """Verify, accept and emit for every (request, drafts, q); returns the requests touched. The verify
+        forward runs in the engine's static runner (a CUDA graph on GPU) when it has one and a bucket fits,
+        else eagerly (`_run_eager`)."""
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and runner.max_new > max(len(d) for _, d, _ in drafted):
+            done = self._run_static(drafted, runner)
+            if done is not None:
+                return done
+        return self._run_eager(drafted)
+
+    def _run_static(self, drafted: list[Drafted], runner: Any) -> list[Request] | None:
+        """The verify step through `runner` (`k3.serve.model_runner.DecodeRunner.run` + `commit_verify`):
+        the same static kernels as a decode step, the per-token KDA states recorded by the forward (the
+        rollback selects one, nothing is recomputed), one host read of the greedy rows' argmaxes. None
+        when no bucket fits (nothing was run)."""
+        eng, m = self.engine, self.engine.metrics
+        start = time.perf_counter()
+        reqs = [r for r, _, _ in drafted]
+        try:
+            out = runner.run([[r.tokens[r.num_computed]] + d for r, d, _ in drafted], [r.num_computed for r in reqs],
+                             [r.slot for r in reqs], [r.pages for r in reqs])
+        except Exception as e:  # a failed forward fails its requests, never the engine
+            for r in reqs:
+                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+            return reqs
+        if out is None:
+            return None
+        logits, aux = limit_vocab(out[0], eng.vocab_limit), (out[1].clone() if out[1] is not None else None)
+        greedy = [i for i, (r, _, _) in enumerate(drafted) if r.params.greedy]
+        best = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}  # one host read
+        kept_all: list[int] = []
+        finished: list[tuple[Request, str]] = []
+        for i, (r, d, q) in enumerate(drafted):
+            rows = logits[i, : len(d) + 1]
+            toks, accepted = accept_greedy(best[i], d) if i in best else accept_draft(rows, d, r.params, r.rng, q)
+            m.spec_draft_tokens += len(d)
+            m.spec_accepted_tokens += accepted
+            kept, reason = self._emit(r, rows, toks)
+            if aux is not None and reason is None:
+                self.source.observe(r, r.num_computed, aux[i, :kept])
+            kept_all.append(kept)
+            if reason is not None:
+                finished.append((r, reason))
+        runner.commit_verify(kept_all)  # the state after the kept tokens, before a finishing request donates it
+        m.spec_rerun_forwards += any(k < len(d) + 1 for k, (_, d, _) in zip(kept_all, drafted))
+        for r, k in zip(reqs, kept_all):
+            self._advance(r, k)
+        m.spec_verify_forwards += 1
+        m.spec_verify_rows += len(drafted)
+        for r, reason in finished:
+            if r.status != "finished":
+                eng.finish_request(r, reason)
+        m.spec_verify_seconds += time.perf_counter() - start
+        return reqs
+
+    def _run_eager(self, drafted: list[Drafted]) -> list[Request]:
+        """The verify step as one packed eager forward, rolled back by replaying the KDA recurrence."""
         eng, m = self.engine, self.engine.metrics
         start = time.perf_counter()
         reqs = [r for r, _, _ in drafted]
