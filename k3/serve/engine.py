@@ -54,6 +54,8 @@ class EngineConfig:
     (`k3.serve.speculative`; exact for greedy and sampled requests).
     speculative_draft_tokens: draft length k of learned-draft (EAGLE-3) speculation when the engine is
     given a draft model (`Engine(..., draft=)`, `k3.serve.draft_spec`); exact likewise.
+    speculative_draft_window: draft KV positions kept per request (a ring: the draft attends to about
+    the last this many positions; only the acceptance rate depends on it).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -81,6 +83,7 @@ class EngineConfig:
     speculative_min_match: int = 2
     speculative_max_match: int = 4
     speculative_draft_tokens: int = 4
+    speculative_draft_window: int = 1024
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -92,7 +95,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
-        for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens"):
+        for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens",
+                     "speculative_draft_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -195,7 +199,7 @@ class Engine:
                                    capture_layers=draft.config.target_layers if draft is not None else ()
                                    ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
-                                    draft, cfg.speculative_draft_tokens)
+                                    draft, cfg.speculative_draft_tokens, cfg.speculative_draft_window, cfg.max_running)
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:

@@ -25,7 +25,7 @@ next step.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,22 @@ def bucket_sizes(limit: int) -> list[int]:
 def graphs_supported(model: Any, device: torch.device) -> bool:
     """CUDA graphs need CUDA and bf16 weights: the other MoE paths size expert groups on the host."""
     return device.type == "cuda" and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def capture_graph(fn: Callable[[], Any], device: torch.device, mempool: Any) -> tuple[Any, Any]:
+    """Capture `fn()` (shape-static, no host reads) as a CUDA graph in `mempool` -> (graph, fn's outputs,
+    which the graph rewrites on every replay). A warm-up run on a side stream first: Triton compilation,
+    cuBLAS workspaces and lazily allocated buffers must not happen inside the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a capture here must not fail because another thread (the HTTP server's) runs
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class DecodeRunner:
@@ -89,6 +105,13 @@ class DecodeRunner:
         self.num_captures = 0
         self.capture_error: Exception | None = None
         self._mempool = None
+
+    @property
+    def mempool(self) -> Any:
+        """The memory pool every graph of this runner (and the draft proposer's) is captured in."""
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        return self._mempool
 
     def bucket(self, num_rows: int, num_pages: int, num_new: int = 1) -> tuple[int, int, int] | None:
         """Smallest (rows, pages, tokens) bucket holding the step, or None when none does. Decode steps
@@ -225,16 +248,6 @@ class DecodeRunner:
         if (b, p, t) in self.graphs:
             return
         self._load((b, p, t), [], [], [], [])
-        side = torch.cuda.Stream(self.pool.device)
-        side.wait_stream(torch.cuda.current_stream(self.pool.device))
-        with torch.cuda.stream(side):
-            self._step(b, p, t)
-        torch.cuda.current_stream(self.pool.device).wait_stream(side)
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a capture here must not fail because another thread (the HTTP server's) runs
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            out = self._step(b, p, t)
+        graph, out = capture_graph(lambda: self._step(b, p, t), self.pool.device, self.mempool)
         self.graphs[(b, p, t)] = (graph, out)
         self.num_captures += 1

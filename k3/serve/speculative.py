@@ -261,7 +261,10 @@ class SpeculativeDecoder:
             else:
                 cands.append((r, room))
         drafted = []
-        for (r, _), (d, q) in zip(cands, self.source.propose(cands) if cands else []):
+        start = time.perf_counter()
+        proposals = self.source.propose(cands) if cands else []
+        eng.metrics.spec_propose_seconds += time.perf_counter() - start
+        for (r, _), (d, q) in zip(cands, proposals):
             if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
                 drafted.append((r, d, q))
             else:
@@ -465,15 +468,22 @@ def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
 
 
 def make_speculator(engine: VerifyHost, ngram: int, min_match: int, max_match: int, draft: Any = None,
-                    draft_tokens: int = 4) -> SpeculativeDecoder | None:
+                    draft_tokens: int = 4, draft_window: int = 1024, max_rows: int = 64) -> SpeculativeDecoder | None:
     """The engine's verify path: learned-draft speculation when `draft` (an `EagleDraft`) is given
-    (`draft_tokens` drafts per step), n-gram speculation when ngram > 0, else None."""
+    (`draft_tokens` drafts per step, a KV window of `draft_window` positions, up to `max_rows` requests
+    drafted together; CUDA graphs when the engine's runner uses them), n-gram speculation when
+    ngram > 0, else None."""
     if draft is not None and ngram:
         raise ValueError("use either a learned draft or n-gram speculation (speculative_ngram), not both")
     if draft is not None:
         from k3.serve.draft_spec import DraftProposer  # k3.model.draft is loaded only when a draft is used
 
-        return SpeculativeDecoder(engine, DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit))
+        runner = getattr(engine, "runner", None)
+        graphs = runner is not None and runner.use_graphs
+        proposer = DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit,
+                                 max_rows=max_rows, window=draft_window, graphs=graphs,
+                                 mempool=runner.mempool if graphs else None)
+        return SpeculativeDecoder(engine, proposer)
     if ngram:
         return SpeculativeDecoder(engine, NgramSource(ngram, min_match, max_match))
     return None

@@ -51,24 +51,27 @@ def draft(model) -> EagleDraft:
 
 
 def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
-    """Replace the draft's greedy picks by the plain-decoding continuation, except every `bad`-th one, so
-    verify runs are accepted in full, in part and not at all; the draft's own forward, KV cache and the
-    engine's capture / rollback all still run."""
+    """Replace the draft's picks by the plain-decoding continuation, except every `bad`-th one, so verify
+    runs are accepted in full, in part and not at all; the draft's own forward, KV cache and the engine's
+    capture / rollback all still run."""
     prop, calls = eng.spec.proposer, [0]
-    own = prop.sample_drafts
+    own = prop.propose
 
-    def sample(logits, reqs, toks, qs):
-        own(logits, reqs, toks, qs)
-        for b, r in enumerate(reqs):
-            ctx = r.tokens + toks[b][:-1]
-            seq = next((f for f in full if f[: len(ctx)] == ctx and len(f) > len(ctx)), None)
-            if seq is not None:
-                calls[0] += 1
-                if calls[0] % bad:
-                    toks[b][-1] = seq[len(ctx)]
-        return torch.tensor([t[-1] for t in toks])
+    def propose(cands):
+        out = []
+        for (r, _), (toks, q) in zip(cands, own(cands)):
+            toks = list(toks)
+            for j in range(len(toks)):
+                ctx = r.tokens + toks[:j]
+                seq = next((f for f in full if f[: len(ctx)] == ctx and len(f) > len(ctx)), None)
+                if seq is not None:
+                    calls[0] += 1
+                    if calls[0] % bad:
+                        toks[j] = seq[len(ctx)]
+            out.append((toks, q))
+        return out
 
-    prop.sample_drafts = sample
+    prop.propose = propose
 
 
 def test_greedy_with_draft_equals_plain_decoding(model, draft):
