@@ -177,7 +177,7 @@ class DraftProposer:
         prompt after prefill; eager), the rest into the static inputs of bucket b (rows past the
         requests: padding, all entries empty)."""
         F = self.feed_len
-        host = torch.zeros(b, 2 * F + 2, dtype=torch.long)
+        host = torch.zeros(b, 2 * F + 2, dtype=torch.long, pin_memory=self._ids.is_cuda)
         host[:, F: 2 * F] = -1
         for n, r in enumerate(reqs):
             s = self.seqs[r]
@@ -192,7 +192,7 @@ class DraftProposer:
             host[n, F: F + m] = torch.arange(start, start + m)
             host[n, 2 * F], host[n, 2 * F + 1] = s.row, m - 1
             s.pending, s.pending_start = [], s.next_pos
-        self._ids[:b].copy_(host)
+        self._ids[:b].copy_(host, non_blocking=True)  # pinned: no wait for the device to drain
 
     def _prefeed(self, row: int, start: int, aux: torch.Tensor, ids: list[int]) -> None:
         """Feed entries start.. of one request into its cache row eagerly, in chunks of half the window."""

@@ -98,6 +98,7 @@ class DecodeRunner:
         self._cols = max_new + 2 + self.slot_blocks
         self._io = torch.zeros(max_batch, self._cols + self.max_pages, dtype=torch.long, device=pool.device)
         self._kept = torch.zeros(max_batch, dtype=torch.long, device=pool.device)
+        self._pin = pool.device.type == "cuda"  # host staging in pinned memory: asynchronous copies
         # per KDA layer: the states / conv inputs of the last verify step, shared by every verify graph
         self._steps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._last_rows = 0
@@ -183,7 +184,8 @@ class DecodeRunner:
             raise ValueError(f"commit_verify needs one kept count in 1..{self.max_new} per row of the last run ({n})")
         if not self._steps or n == 0:
             return
-        self._kept[:n].copy_(torch.tensor(list(kept), dtype=torch.long), non_blocking=False)
+        self._kept[:n].copy_(torch.tensor(list(kept), dtype=torch.long).pin_memory() if self._pin else
+                             torch.tensor(list(kept), dtype=torch.long), non_blocking=True)
         steps = {layer: (s[:n], e[:n]) for layer, (s, e) in self._steps.items()}
         select_kda_steps(self.pool, self._io[:n, self._slot: self._cols].reshape(-1), steps, self._kept[:n])
 
@@ -192,14 +194,14 @@ class DecodeRunner:
         """Fill the first b rows of the buffer (rows past the requests are padding: all zeros)."""
         b, p, _ = key
         width = self._cols + p
-        host = torch.zeros(b, width, dtype=torch.long)
+        host = torch.zeros(b, width, dtype=torch.long, pin_memory=self._pin)
         for i, (t, pl, s, pt) in enumerate(zip(tokens, past_lens, slots, page_tables)):
             host[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
             host[i, self._len], host[i, self._real] = pl, len(t)
             host[i, self._slot: self._cols] = torch.tensor(list(s), dtype=torch.long)
             pages = list(pt[:p])
             host[i, self._cols: self._cols + len(pages)] = torch.tensor(pages, dtype=torch.long)
-        self._io[:b, :width].copy_(host)
+        self._io[:b, :width].copy_(host, non_blocking=True)  # pinned: no wait for the device to drain
 
     def _step(self, b: int, p: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The static forward of bucket (b, p, t) over the buffer: (logits [b, t, vocab], captured states

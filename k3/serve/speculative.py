@@ -322,8 +322,9 @@ class SpeculativeDecoder:
         if out is None:
             return None
         logits, aux = limit_vocab(out[0], eng.vocab_limit), (out[1].clone() if out[1] is not None else None)
-        greedy = [i for i, (r, _, _) in enumerate(drafted) if r.params.greedy]
-        best = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}  # one host read
+        greedy = {i for i, (r, _, _) in enumerate(drafted) if r.params.greedy}
+        # the one host read of a greedy verify step: every row's argmaxes (sampled rows ignore theirs)
+        best = {i: row for i, row in enumerate(logits.argmax(-1).tolist()) if i in greedy} if greedy else {}
         kept_all: list[int] = []
         finished: list[tuple[Request, str]] = []
         for i, (r, d, q) in enumerate(drafted):
@@ -397,7 +398,10 @@ class SpeculativeDecoder:
     def _emit(self, r: Request, rows: torch.Tensor, toks: list[int]) -> tuple[int, str | None]:
         """Append the accepted tokens one by one until the request finishes -> (tokens kept, reason)."""
         n = len(toks)
-        lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
+        if r.params.logprobs is None:  # (building the id tensor alone would cost a host->device copy)
+            lps, tops = [None] * n, [None] * n
+        else:
+            lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
         for j, t in enumerate(toks):
             reason = self.engine.append_token(r, t, lps[j], tops[j])
             if reason is not None:
