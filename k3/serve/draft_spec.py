@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from k3.model.draft import EagleDraft, attend, check_compatible
+from k3.serve.acceptance import DraftIds
 from k3.serve.model_runner import bucket_sizes, capture_graph
 from k3.serve.sampling import limit_vocab, sample_from, target_probs
 
@@ -144,10 +145,11 @@ class DraftProposer:
 
     # ---- drafting ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, cands: list[tuple[Any, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(self, cands: list[tuple[Any, int]]) -> list[tuple[list[int] | DraftIds, torch.Tensor | None]]:
         """(request, most drafts) -> (drafts, q [n, V] for sampled requests else None); a request whose
-        newest position has no state yet gets no drafts (it decodes plainly and is observed there)."""
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None)] * len(cands)
+        newest position has no state yet gets no drafts (it decodes plainly and is observed there). An
+        all-greedy batch gets `DraftIds` (on the device, no host read here), otherwise id lists."""
+        out: list[tuple[list[int] | DraftIds, torch.Tensor | None]] = [([], None)] * len(cands)
         rows = [i for i, (r, _) in enumerate(cands) if self._ready(r)][: self.buckets[-1]]
         if not rows:
             return out
@@ -155,10 +157,10 @@ class DraftProposer:
         limits = [min(self.k, cands[i][1]) for i in rows]
         b = next(x for x in self.buckets if x >= len(reqs))
         self._load(reqs, b)
-        if all(r.params.greedy for r in reqs):
-            toks = self._greedy(b)[: len(reqs)].tolist()  # the one host read of a step
+        if all(r.params.greedy for r in reqs):  # the ids stay on the device: the verify step reads them back
+            ids = self._greedy(b)
             for n, (i, lim) in enumerate(zip(rows, limits)):
-                out[i] = (toks[n][:lim], None)
+                out[i] = (DraftIds(ids, n, lim), None)
             return out
         toks: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]

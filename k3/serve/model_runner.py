@@ -137,13 +137,16 @@ class DecodeRunner:
 
     @torch.inference_mode()
     def run(self, tokens: Sequence[Sequence[int]], past_lens: Sequence[int], slots: Sequence[Sequence[int]],
-            page_tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            page_tables: Sequence[Sequence[int]], draft_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A decode step (every row one token) or a verify step (rows of 1..max_new tokens, at least one
         longer than 1) -> (logits [N, T, vocab], captured states [N, T, F] or None), views valid until the
         next step (T: the bucket's tokens; positions past a row's tokens are garbage), or None when the
         step fits no bucket. Row i feeds tokens[i] at positions past_lens[i]...; page_tables[i] must cover
         them. A decode step updates the KDA slots; a verify step leaves them and records the state after
-        every token: call `commit_verify` with the tokens each row keeps before the next step."""
+        every token: call `commit_verify` with the tokens each row keeps before the next step.
+        draft_ids: [N, k] long on the device, k < max_new: tokens 1..k of every row taken from here
+        instead of `tokens` (whose lengths still say how many are real): drafts need no host round trip."""
         n = len(tokens)
         if not n == len(past_lens) == len(slots) == len(page_tables):
             raise ValueError("tokens, past_lens, slots and page_tables must have one entry per row")
@@ -167,6 +170,10 @@ class DecodeRunner:
                               RuntimeWarning, stacklevel=2)
                 self.use_graphs, self.capture_error = False, e
         self._load(key, tokens, past_lens, slots, page_tables)
+        if draft_ids is not None:
+            if draft_ids.shape[0] != n or draft_ids.shape[1] >= self.max_new:
+                raise ValueError(f"draft_ids must be [{n}, < {self.max_new}], got {list(draft_ids.shape)}")
+            self._io[:n, 1: 1 + draft_ids.shape[1]].copy_(draft_ids)
         self._last_rows = n
         if not self.use_graphs:
             logits, aux = self._step(*key)

@@ -16,6 +16,7 @@ from k3.model.draft import DraftConfig, EagleDraft
 from k3.model.safetensors_io import CheckpointError
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.metrics import prometheus_text
+from k3.serve.acceptance import DraftIds
 from k3.serve.sampling import SamplingParams, target_probs
 from k3.serve.speculative import accept_draft
 
@@ -59,8 +60,9 @@ def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
 
     def propose(cands):
         out = []
-        for (r, _), (toks, q) in zip(cands, own(cands)):
-            toks = list(toks)
+        own_out = own(cands)
+        for (r, _), (toks, q) in zip(cands, own_out):
+            toks = toks.host() if hasattr(toks, "host") else list(toks)  # DraftIds: greedy drafts on the device
             for j in range(len(toks)):
                 ctx = r.tokens + toks[:j]
                 seq = next((f for f in full if f[: len(ctx)] == ctx and len(f) > len(ctx)), None)
@@ -69,6 +71,10 @@ def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
                     if calls[0] % bad:
                         toks[j] = seq[len(ctx)]
             out.append((toks, q))
+        if any(hasattr(d, "host") for d, _ in own_out):  # greedy drafts were on the device: hand them back there
+            k = max(len(t) for t, _ in out)
+            ids = torch.tensor([t + [0] * (k - len(t)) for t, _ in out], device=eng.device)
+            out = [(DraftIds(ids, i, len(t)), q) for i, (t, q) in enumerate(out)]
         return out
 
     prop.propose = propose
