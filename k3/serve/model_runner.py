@@ -101,7 +101,8 @@ class DecodeRunner:
         self._pin = pool.device.type == "cuda"  # host staging in pinned memory: asynchronous copies
         # per KDA layer: the states / conv inputs of the last verify step, shared by every verify graph
         self._steps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._last_rows = 0
+        self._last_rows, self._last_key = 0, (0, 0, 0)
+        self.commit_graphs: dict[int, tuple[Any, Any]] = {}  # row bucket -> the graph of `_select`
         self.graphs: dict[tuple[int, int, int], tuple[Any, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.num_captures = 0
         self.capture_error: Exception | None = None
@@ -174,7 +175,7 @@ class DecodeRunner:
             if draft_ids.shape[0] != n or draft_ids.shape[1] >= self.max_new:
                 raise ValueError(f"draft_ids must be [{n}, < {self.max_new}], got {list(draft_ids.shape)}")
             self._io[:n, 1: 1 + draft_ids.shape[1]].copy_(draft_ids)
-        self._last_rows = n
+        self._last_rows, self._last_key = n, key
         if not self.use_graphs:
             logits, aux = self._step(*key)
         else:
@@ -185,16 +186,28 @@ class DecodeRunner:
     def commit_verify(self, kept: Sequence[int]) -> None:
         """After a verify `run` of N rows: write each row's KDA slot as the state after its first kept[i]
         tokens (1 <= kept[i] <= its tokens; from the states the step recorded: no recomputation). One
-        host->device copy, no host read."""
+        host->device copy, no host read; with graphs one replay per row bucket (padding rows select
+        into the zero block, which is re-zeroed)."""
         n = self._last_rows
         if len(kept) != n or any(not 1 <= k <= self.max_new for k in kept):
             raise ValueError(f"commit_verify needs one kept count in 1..{self.max_new} per row of the last run ({n})")
         if not self._steps or n == 0:
             return
-        self._kept[:n].copy_(torch.tensor(list(kept), dtype=torch.long).pin_memory() if self._pin else
-                             torch.tensor(list(kept), dtype=torch.long), non_blocking=True)
-        steps = {layer: (s[:n], e[:n]) for layer, (s, e) in self._steps.items()}
-        select_kda_steps(self.pool, self._io[:n, self._slot: self._cols].reshape(-1), steps, self._kept[:n])
+        b = self._last_key[0]
+        host = torch.ones(b, dtype=torch.long, pin_memory=self._pin)
+        host[:n] = torch.tensor(list(kept), dtype=torch.long)
+        self._kept[:b].copy_(host, non_blocking=True)
+        if not self.use_graphs:
+            return self._select(b)
+        if b not in self.commit_graphs:
+            self.commit_graphs[b] = capture_graph(lambda: self._select(b), self.pool.device, self.mempool)
+        self.commit_graphs[b][0].replay()
+
+    def _select(self, b: int) -> None:
+        """`select_kda_steps` over the first b rows of the last verify step's buffers (static shapes)."""
+        steps = {layer: (s[:b], e[:b]) for layer, (s, e) in self._steps.items()}
+        select_kda_steps(self.pool, self._io[:b, self._slot: self._cols].reshape(-1), steps, self._kept[:b])
+        self.pool.storage[0].zero_()  # padding rows selected into the zero block
 
     def _load(self, key: tuple[int, int, int], tokens: Sequence[Sequence[int]], past_lens: Sequence[int],
               slots: Sequence[Sequence[int]], page_tables: Sequence[Sequence[int]]) -> None:
