@@ -20,6 +20,13 @@ what the padded table holds, and the paged kernel fixes its number of sequence s
 Graphs share one memory pool; their outputs stay referenced, so one graph's replay never
 overwrites another's result, and the runner hands out a view of the logits that is valid until the
 next step.
+
+Speculative verify steps are buckets (b, p, max_new) of the same runner: [b, max_new] tokens per step
+(rows with fewer real tokens are padded inside the row), the same kernels per token as a decode step,
+and instead of writing the KDA slots the step records the state after every token; `commit_verify`
+then selects each row's state after its kept tokens (a gather, itself one graph per row bucket). The
+steps also return the target's hidden states at `capture_layers` (a learned draft's features).
+`capture_graph` is the one capture routine (the draft proposer's chain uses it too).
 """
 
 from __future__ import annotations
