@@ -24,7 +24,7 @@ from k3.serve.model_runner import DecodeRunner
 from k3.serve.sampling import SamplingParams
 from tests.serve.conftest import random_prompt
 from tests.serve.test_draft_spec import SmallVocab, _oracle, _prompts
-from tests.serve.test_model_runner import Seqs
+from tests.serve.test_model_runner import HostReads, Seqs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -192,6 +192,29 @@ def test_static_draft_chain_equals_the_draft_run_directly(model, draft):
                 hid, k1, v1 = draft(torch.tensor([[d]]), h[:, None], k, v, torch.ones(1, k.shape[1], dtype=torch.bool))
                 k, v, h = torch.cat([k, k1], 1), torch.cat([v, v1], 1), hid[:, -1]
             assert drafts == want
+
+
+def test_static_speculative_pieces_read_nothing_back_to_the_host(model, draft):
+    """What the graphs capture (verify step, rollback selection, greedy draft chain) makes no host read
+    on CPU except the CPU expert loop's group sizes (grouped GEMMs with device offsets on CUDA bf16)."""
+    prompts = _prompts(8, [9, 14])
+    eng = _engine(model, draft, k=3, static_decode=True)
+    seen = []
+    own_run, own_greedy = eng.runner.run, eng.spec.proposer._greedy
+
+    def run(*args, **kwargs):
+        out = own_run(*args, **kwargs)
+        if eng.runner._last_key[2] > 1 and not seen:
+            with HostReads() as reads:
+                eng.runner._step(*eng.runner._last_key)
+                eng.runner._select(eng.runner._last_key[0])
+                own_greedy(1)
+            seen.append(reads.hits)
+        return out
+
+    eng.runner.run = run
+    eng.generate(prompts, GREEDY)
+    assert seen and all(h == ("tolist", "sizes = counts.tolist()") for h in seen[0]), seen
 
 
 # ------------------------------------------------------------------------------------------------ GPU
