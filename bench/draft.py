@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "once untimed (captures every CUDA graph it needs), short: one 4-token request")
     p.add_argument("--static-decode", action="store_true", help="the static (CUDA-graph) path eagerly where graphs "
                    "are off (CPU: what the GPU runs, without graphs)")
+    p.add_argument("--profile", choices=("plain", "draft"), default=None, help="cProfile the timed run of this "
+                   "mode at the last batch size (host time: top functions by own and cumulative time)")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
     a.preset = a.preset or ("k3-tiny" if a.tiny else "k3-small")
@@ -131,16 +133,30 @@ def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple
     before = eng.stats()
     if a.device == "cuda":
         torch.cuda.synchronize()
+    prof = None
+    if a.profile and (eng.spec is not None) == (a.profile == "draft") and batch == a.batches[-1]:
+        import cProfile
+
+        prof = cProfile.Profile()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     outs = eng.generate(ps, sp)
     if a.device == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     s = eng.stats()
     rows = s["spec_verify_rows"] - before["spec_verify_rows"]
     acc = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     toks = sum(len(o.token_ids) for o in outs)
-    spent = {k: round(s[k] - before[k], 3) for k in ("spec_propose_seconds", "spec_verify_seconds", "decode_seconds")}
+    spent = {k: round(s[k] - before[k], 3) for k in ("spec_propose_seconds", "spec_verify_seconds", "decode_seconds",
+                                                    "prefill_seconds")}
     runner = eng.runner
     return {"batch": batch, "requests": len(ps), "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
             "tau": round((acc + rows) / rows, 3) if rows else None, "steps": s["steps"] - before["steps"],

@@ -204,27 +204,36 @@ class DraftProposer:
             n = min(step, aux.shape[0] - a)
             tok = torch.tensor([ids[a: a + n]], device=aux.device)
             pos = torch.arange(start + a, start + a + n, device=aux.device)[None]
-            self._feed(rows, tok, self.draft.fuse(aux[None, a: a + n]), pos)
+            self._feed(rows, tok, self.draft.fuse(aux[None, a: a + n]), pos)  # (outputs unused)
 
-    def _feed(self, rows: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _feed(self, rows: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, extra: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Entries (feature, token) at positions pos [B, T] (-1: padding) of cache rows [B]: store their keys
-        and values, attend causally over the row -> the draft's hidden [B, T, H]."""
+        and values, attend causally over the row -> (the draft's hidden [B, T, H], the rows' keys and
+        values [B, W + extra, h, d] with `extra` zero columns for later entries, their validity [B, W + extra]
+        bool, all False in the extra columns)."""
         q, k, v = self.draft.qkv(tok, feats)
         self.kv.write(rows, pos, k, v)
         kpos = self.kv.pos[rows]  # [B, W]
+        keys, values = self.kv.k[rows], self.kv.v[rows]
         mask = ((kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])) | (pos < 0)[:, :, None]
-        return self.draft.finish(feats, attend(q, self.kv.k[rows], self.kv.v[rows], mask))
+        hid = self.draft.finish(feats, attend(q, keys, values, mask))
+        if extra:
+            pad = keys.new_zeros(keys.shape[0], extra, *keys.shape[2:])
+            keys, values = torch.cat([keys, pad], 1), torch.cat([values, pad], 1)
+        valid = torch.cat([kpos >= 0, kpos.new_zeros(kpos.shape[0], extra, dtype=torch.bool)], 1)
+        return hid, keys, values, valid
 
     def _chain(self, b: int, pick) -> list[torch.Tensor]:
         """The static draft chain of bucket b: feed the loaded entries, then k steps; pick(logits [b, V]
-        float32, vocabulary-limited) -> ids [b] long chooses each step's tokens. Returns the picks."""
-        F = self.feed_len
+        float32, vocabulary-limited) -> ids [b] long chooses each step's tokens. Returns the picks. The
+        speculative entries go into extra columns of the gathered keys/values (no concatenation per step)."""
+        F, W = self.feed_len, self.kv.window
         ids = self._ids[:b]
         rows, last = ids[:, 2 * F], ids[:, 2 * F + 1]
-        hid = self._feed(rows, ids[:, :F], self.draft.fuse(self._aux[:b]), ids[:, F: 2 * F])
+        hid, keys, values, valid = self._feed(rows, ids[:, :F], self.draft.fuse(self._aux[:b]), ids[:, F: 2 * F],
+                                              extra=self.k - 1)
         h = hid[torch.arange(b, device=hid.device), last]  # [b, H] at each request's newest entry
-        keys, values = self.kv.k[rows], self.kv.v[rows]
-        valid = self.kv.pos[rows] >= 0
         picks = []
         for j in range(self.k):
             tok = pick(limit_vocab(self.draft.logits(h).float(), self.vocab_limit))
@@ -232,8 +241,8 @@ class DraftProposer:
             if j + 1 == self.k:
                 break
             q, k, v = self.draft.qkv(tok[:, None], h[:, None])
-            keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
-            valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
+            keys[:, W + j], values[:, W + j] = k[:, 0], v[:, 0]
+            valid[:, W + j] = True
             h = self.draft.finish(h[:, None], attend(q, keys, values, valid[:, None]))[:, 0]
         return picks
 
