@@ -99,7 +99,7 @@ def test_verify_refuses_bad_input(model):
 def _engine(model, draft=None, k: int = 4, **overrides) -> Engine:
     cfg = {"memory_budget_bytes": 16 << 20, "page_size": 8, "unit_size": 8, "checkpoint_every_units": 2,
            "checkpoint_min_gap": 2, "max_model_len": 1024, "enable_prefix_cache": False,
-           "speculative_draft_tokens": k, "max_running": 8, "speculative_draft_window": 64}
+           "speculative_draft_tokens": k, "max_running": 8, "speculative_draft_window": 128}
     cfg.update(overrides)
     return Engine(model, SmallVocab(), EngineConfig(**cfg), draft=draft)
 
@@ -123,7 +123,7 @@ def _spy_buckets(eng: Engine) -> list:
 
 
 def test_static_greedy_with_draft_and_ngram_equals_plain(model, draft):
-    prompts = _prompts(2, [5, 17, 9, 30, 3, 70])  # the 70-token prompt outgrows the 64-entry draft window
+    prompts = _prompts(2, [5, 17, 9, 30, 3, 150])  # short contexts attend over 64 columns, the 150-token one wraps
     sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 13, 30, 7, 21, 16)]
     plain = _engine(model).generate(prompts, sp)
     full = [p + o.token_ids for p, o in zip(prompts, plain)]
@@ -208,7 +208,7 @@ def test_static_speculative_pieces_read_nothing_back_to_the_host(model, draft):
             with HostReads() as reads:
                 eng.runner._step(*eng.runner._last_key)
                 eng.runner._select(eng.runner._last_key[0])
-                own_greedy(1)
+                own_greedy(1, 64)
             seen.append(reads.hits)
         return out
 
