@@ -12,9 +12,10 @@ not consumed yet (`pending`) and a row of the static draft KV cache (`DraftKV`).
    cache row plus the speculative entries of this call, which are never stored: the next verify run
    supplies the real features of every accepted position, so the draft itself never rolls back.
 
-Every shape in (1)-(2) is fixed by the row bucket b (the last <= k + 1 pending entries, k steps): when
-the engine decodes in CUDA graphs and every drafted request is greedy, the whole chain (feed, k steps,
-argmax) is one captured graph per bucket, read back once (`.tolist()` of [b, k] ids). Sampled requests
+Every shape in (1)-(2) is fixed by the row bucket b and the attended span S of the ring (the last <= k + 1
+pending entries, k steps): when the engine decodes in CUDA graphs and every drafted request is greedy,
+the whole chain (feed, k steps, argmax) is one captured graph per (b, S), and its [b, k] ids stay on the
+device (`DraftIds`): the verify step copies them into its input and reads them back with its own argmaxes. Sampled requests
 run the same code eagerly: d_j ~ q_j = `target_probs(draft logits, params)` (the request's temperature /
 top-k / top-p applied to the draft) with the request's rng, returned with q, so `accept_draft` applies
 min(1, p/q) and the residual max(0, p - q): the output distribution is the target's whatever the draft.
