@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32; tiny: 1,2)")
     p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--spec-max-batch", type=int, default=0, help="EngineConfig.speculative_max_batch (0: no limit)")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--train-steps", type=int, default=None, help="draft training steps when --draft is not given")
@@ -93,7 +94,7 @@ def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int
     cfg = EngineConfig(memory_budget_bytes=(256 << 20) if a.tiny else (8 << 30), page_size=16 if a.tiny else 128,
                        static_decode=a.static_decode,
                        enable_prefix_cache=False, max_running=batch or max(a.batches), speculative_ngram=ngram,
-                       speculative_draft_tokens=a.spec_tokens)
+                       speculative_draft_tokens=a.spec_tokens, speculative_max_batch=a.spec_max_batch)
     return Engine(target, None, cfg, eos_id=-1, draft=draft)
 
 

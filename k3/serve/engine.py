@@ -56,6 +56,8 @@ class EngineConfig:
     given a draft model (`Engine(..., draft=)`, `k3.serve.draft_spec`); exact likewise.
     speculative_draft_window: draft KV positions kept per request (a ring: the draft attends to about
     the last this many positions; only the acceptance rate depends on it).
+    speculative_max_batch: steps with more decoding requests than this decode plainly (0 = no limit):
+    where a verify step costs more than the tokens it saves (large batches of a small model).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -84,6 +86,7 @@ class EngineConfig:
     speculative_max_match: int = 4
     speculative_draft_tokens: int = 4
     speculative_draft_window: int = 1024
+    speculative_max_batch: int = 0
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -91,7 +94,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram"):
+        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram",
+                     "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
@@ -339,8 +343,9 @@ class Engine:
         if plan.prefill:
             touched += self._run(plan.prefill, decode=False)
         decode = plan.decode
-        if decode and self.spec is not None:  # requests with drafts verify them (eagerly), the rest decode
-            decode, drafted = self.spec.split(decode)
+        limit = self.config.speculative_max_batch
+        if decode and self.spec is not None and (not limit or len(decode) <= limit):
+            decode, drafted = self.spec.split(decode)  # requests with drafts verify them, the rest decode
             if drafted:
                 touched += self.spec.run(drafted)
         if decode:

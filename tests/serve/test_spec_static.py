@@ -159,6 +159,20 @@ def test_static_draft_prefix_hits_stops_and_sampling(model, draft):
     assert one[1].token_ids == _engine(model).generate(prompts[1:2], GREEDY)[0].token_ids
 
 
+def test_speculative_max_batch_decodes_large_steps_plainly(model, draft):
+    prompts = _prompts(9, [6, 11, 8])
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 9, 20)]
+    plain = [o.token_ids for o in _engine(model).generate(prompts, sp)]
+    eng = _engine(model, draft, static_decode=True, speculative_max_batch=1)
+    steps = []
+    own = eng.spec.split
+    eng.spec.split = lambda decode: steps.append(len(decode)) or own(decode)
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == plain
+    assert steps and max(steps) == 1 and eng.stats()["spec_verify_forwards"] > 0  # only the last request drafted
+    with pytest.raises(ValueError, match="speculative_max_batch"):
+        EngineConfig(speculative_max_batch=-1).validate()
+
+
 def test_static_draft_chain_equals_the_draft_run_directly(model, draft):
     """The proposer's ring-buffer KV and static chain (prefeed + last k + 1 entries + k steps) give the
     drafts the draft layer itself computes over the whole context, step by step."""
