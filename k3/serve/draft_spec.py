@@ -12,10 +12,9 @@ not consumed yet (`pending`) and a row of the static draft KV cache (`DraftKV`).
    cache row plus the speculative entries of this call, which are never stored: the next verify run
    supplies the real features of every accepted position, so the draft itself never rolls back.
 
-Every shape in (1)-(2) is fixed by the row bucket b and the attended span S of the ring (the last <= k + 1
-pending entries, k steps): when the engine decodes in CUDA graphs and every drafted request is greedy,
-the whole chain (feed, k steps, argmax) is one captured graph per (b, S), and its [b, k] ids stay on the
-device (`DraftIds`): the verify step copies them into its input and reads them back with its own argmaxes. Sampled requests
+Every shape in (1)-(2) is fixed by the row bucket b (the last <= k + 1 pending entries, k steps): when
+the engine decodes in CUDA graphs and every drafted request is greedy, the whole chain (feed, k steps,
+argmax) is one captured graph per bucket, read back once (`.tolist()` of [b, k] ids). Sampled requests
 run the same code eagerly: d_j ~ q_j = `target_probs(draft logits, params)` (the request's temperature /
 top-k / top-p applied to the draft) with the request's rng, returned with q, so `accept_draft` applies
 min(1, p/q) and the residual max(0, p - q): the output distribution is the target's whatever the draft.
@@ -114,16 +113,13 @@ class DraftProposer:
         self.seqs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Request -> DraftSeq
         self.kv = DraftKV(draft, max_rows, window)
         self.buckets = bucket_sizes(max_rows)
-        # attended window columns: a request's positions < S live at ring indices < S, so a batch whose
-        # contexts are all shorter than S attends over S columns only (the graph key's second part)
-        self.spans = [x for x in bucket_sizes(window) if x >= min(64, window)]
         w, feat = draft.fc.weight, draft.fc.in_features
         self.feed_len = num_draft + 1  # entries fed per request and step (more: fed eagerly before)
         # static inputs: features [R, F, 3H]; ids [R, 2F + 2] = [tokens F | positions F | cache row | newest]
         self._aux = w.new_zeros(max_rows, self.feed_len, feat)
         self._ids = torch.zeros(max_rows, 2 * self.feed_len + 2, dtype=torch.long, device=w.device)
         self.use_graphs = graphs and w.is_cuda
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}  # (rows, span) -> graph, its ids
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._mempool = mempool
         self.capture_error: Exception | None = None
 
@@ -160,16 +156,15 @@ class DraftProposer:
         reqs = [cands[i][0] for i in rows]
         limits = [min(self.k, cands[i][1]) for i in rows]
         b = next(x for x in self.buckets if x >= len(reqs))
-        span = self.span(max(self.seqs[r].next_pos for r in reqs))
         self._load(reqs, b)
         if all(r.params.greedy for r in reqs):  # the ids stay on the device: the verify step reads them back
-            ids = self._greedy(b, span)
+            ids = self._greedy(b)
             for n, (i, lim) in enumerate(zip(rows, limits)):
                 out[i] = (DraftIds(ids, n, lim), None)
             return out
         toks: list[list[int]] = [[] for _ in reqs]
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        self._chain(b, span, lambda logits: self.sample_drafts(logits, reqs, toks, qs))
+        self._chain(b, lambda logits: self.sample_drafts(logits, reqs, toks, qs))
         for n, (i, lim) in enumerate(zip(rows, limits)):
             out[i] = (toks[n][:lim], torch.stack(qs[n][:lim]) if qs[n] else None)
         return out
@@ -209,41 +204,27 @@ class DraftProposer:
             n = min(step, aux.shape[0] - a)
             tok = torch.tensor([ids[a: a + n]], device=aux.device)
             pos = torch.arange(start + a, start + a + n, device=aux.device)[None]
-            self._feed(rows, tok, self.draft.fuse(aux[None, a: a + n]), pos, self.span(start + a + n))  # (outputs unused)
+            self._feed(rows, tok, self.draft.fuse(aux[None, a: a + n]), pos)
 
-    def span(self, end: int) -> int:
-        """The attended ring columns for contexts of positions < end: the smallest span bucket >= end
-        (the whole window once a context wraps)."""
-        return next((x for x in self.spans if x >= end), self.spans[-1])
-
-    def _feed(self, rows: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, span: int,
-              extra: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _feed(self, rows: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Entries (feature, token) at positions pos [B, T] (-1: padding) of cache rows [B]: store their keys
-        and values, attend causally over the row's first `span` columns (all its entries: `span`) -> (the
-        draft's hidden [B, T, H], the rows' keys and values [B, span + extra, h, d] with `extra` zero
-        columns for later entries, their validity [B, span + extra] bool, False in the extra columns)."""
+        and values, attend causally over the row -> the draft's hidden [B, T, H]."""
         q, k, v = self.draft.qkv(tok, feats)
         self.kv.write(rows, pos, k, v)
-        kpos = self.kv.pos[:, :span][rows]  # [B, S]
-        keys, values = self.kv.k[:, :span][rows], self.kv.v[:, :span][rows]
+        kpos = self.kv.pos[rows]  # [B, W]
         mask = ((kpos[:, None, :] >= 0) & (kpos[:, None, :] <= pos[:, :, None])) | (pos < 0)[:, :, None]
-        hid = self.draft.finish(feats, attend(q, keys, values, mask))
-        if extra:
-            pad = keys.new_zeros(keys.shape[0], extra, *keys.shape[2:])
-            keys, values = torch.cat([keys, pad], 1), torch.cat([values, pad], 1)
-        valid = torch.cat([kpos >= 0, kpos.new_zeros(kpos.shape[0], extra, dtype=torch.bool)], 1)
-        return hid, keys, values, valid
+        return self.draft.finish(feats, attend(q, self.kv.k[rows], self.kv.v[rows], mask))
 
-    def _chain(self, b: int, span: int, pick) -> list[torch.Tensor]:
-        """The static draft chain of bucket (b, span): feed the loaded entries, then k steps; pick(logits
-        [b, V] float32, vocabulary-limited) -> ids [b] long chooses each step's tokens. Returns the picks.
-        The speculative entries go into extra columns of the gathered keys/values (no concatenation)."""
-        F, W = self.feed_len, span
+    def _chain(self, b: int, pick) -> list[torch.Tensor]:
+        """The static draft chain of bucket b: feed the loaded entries, then k steps; pick(logits [b, V]
+        float32, vocabulary-limited) -> ids [b] long chooses each step's tokens. Returns the picks."""
+        F = self.feed_len
         ids = self._ids[:b]
         rows, last = ids[:, 2 * F], ids[:, 2 * F + 1]
-        hid, keys, values, valid = self._feed(rows, ids[:, :F], self.draft.fuse(self._aux[:b]), ids[:, F: 2 * F],
-                                              span, extra=self.k - 1)
+        hid = self._feed(rows, ids[:, :F], self.draft.fuse(self._aux[:b]), ids[:, F: 2 * F])
         h = hid[torch.arange(b, device=hid.device), last]  # [b, H] at each request's newest entry
+        keys, values = self.kv.k[rows], self.kv.v[rows]
+        valid = self.kv.pos[rows] >= 0
         picks = []
         for j in range(self.k):
             tok = pick(limit_vocab(self.draft.logits(h).float(), self.vocab_limit))
@@ -251,25 +232,25 @@ class DraftProposer:
             if j + 1 == self.k:
                 break
             q, k, v = self.draft.qkv(tok[:, None], h[:, None])
-            keys[:, W + j], values[:, W + j] = k[:, 0], v[:, 0]
-            valid[:, W + j] = True
+            keys, values = torch.cat([keys, k], 1), torch.cat([values, v], 1)
+            valid = torch.cat([valid, valid.new_ones(b, 1)], 1)
             h = self.draft.finish(h[:, None], attend(q, keys, values, valid[:, None]))[:, 0]
         return picks
 
-    def _greedy(self, b: int, span: int) -> torch.Tensor:
-        """The greedy chain of bucket (b, span) -> draft ids [b, k] (device), replayed from a CUDA graph when on."""
-        run = lambda: torch.stack(self._chain(b, span, lambda logits: logits.argmax(-1)), 1)  # noqa: E731
+    def _greedy(self, b: int) -> torch.Tensor:
+        """The greedy chain of bucket b -> draft ids [b, k] (device), replayed from a CUDA graph when on."""
+        run = lambda: torch.stack(self._chain(b, lambda logits: logits.argmax(-1)), 1)  # noqa: E731
         if not self.use_graphs:
             return run()
-        if (b, span) not in self.graphs:
+        if b not in self.graphs:
             try:
                 if self._mempool is None:
                     self._mempool = torch.cuda.graph_pool_handle()
-                self.graphs[(b, span)] = capture_graph(run, self._aux.device, self._mempool)
+                self.graphs[b] = capture_graph(run, self._aux.device, self._mempool)
             except Exception as e:  # draft eagerly rather than fail every step
                 self.use_graphs, self.capture_error = False, e
                 return run()
-        graph, out = self.graphs[(b, span)]
+        graph, out = self.graphs[b]
         graph.replay()
         return out
 

@@ -222,7 +222,7 @@ def test_static_speculative_pieces_read_nothing_back_to_the_host(model, draft):
             with HostReads() as reads:
                 eng.runner._step(*eng.runner._last_key)
                 eng.runner._select(eng.runner._last_key[0])
-                own_greedy(1, 64)
+                own_greedy(1)
             seen.append(reads.hits)
         return out
 
