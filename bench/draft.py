@@ -6,8 +6,9 @@ The target is --checkpoint (or a preset with random weights); the draft is --dra
 target is hard to predict, so use a trained checkpoint for meaningful tau). Each row runs B requests
 with --prompt-len prompts and --new-tokens greedy tokens to completion in one engine; outputs with the
 draft must equal those without (checked and reported: exact in fp32; in bf16 a near-tie argmax may
-flip between the verify forward's kernels and the decode step's, as with n-gram speculation). Plain decoding uses the engine's default path (CUDA graphs
-on GPU); speculative rows decode eagerly (the verify forward and the draft run outside graphs).
+flip: a verify step's GEMMs see k + 1 times the rows of a decode step's; docs/draft.md). Plain decoding uses the engine's default path (CUDA graphs
+on GPU), and so do speculative rows: verify steps are [rows, k + 1] CUDA-graph buckets of the same runner and
+the greedy draft chain is one graph per row bucket (`k3.serve.draft_spec`).
 
     python bench/draft.py --markdown                       # GPU: k3-small, batches 1, 8, 32
     python bench/draft.py --checkpoint CK --draft CK_DRAFT # a trained target and its `k3 train-draft` draft
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32; tiny: 1,2)")
     p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--spec-max-batch", type=int, default=0, help="EngineConfig.speculative_max_batch (0: no limit)")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--train-steps", type=int, default=None, help="draft training steps when --draft is not given")
@@ -53,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "held-out val.jsonl): its prompts instead of random ones (cycled to fill a batch)")
     p.add_argument("--requests", type=int, default=None, help="requests per row (default: the batch size); "
                    "more than the batch size queue, at most `batch` decoding together")
+    p.add_argument("--warmup", choices=("full", "short"), default="full", help="full: run each row's workload "
+                   "once untimed (captures every CUDA graph it needs), short: one 4-token request")
+    p.add_argument("--static-decode", action="store_true", help="the static (CUDA-graph) path eagerly where graphs "
+                   "are off (CPU: what the GPU runs, without graphs)")
+    p.add_argument("--profile", choices=("plain", "draft"), default=None, help="cProfile the timed run of this "
+                   "mode at the last batch size (host time: top functions by own and cumulative time)")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
     a.preset = a.preset or ("k3-tiny" if a.tiny else "k3-small")
@@ -84,8 +92,9 @@ def prompts(a: argparse.Namespace, vocab: int, n: int, seed: int) -> list[list[i
 def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int | None = None) -> Engine:
     """batch: the most requests decoding together (default: the largest batch size)."""
     cfg = EngineConfig(memory_budget_bytes=(256 << 20) if a.tiny else (8 << 30), page_size=16 if a.tiny else 128,
+                       static_decode=a.static_decode,
                        enable_prefix_cache=False, max_running=batch or max(a.batches), speculative_ngram=ngram,
-                       speculative_draft_tokens=a.spec_tokens)
+                       speculative_draft_tokens=a.spec_tokens, speculative_max_batch=a.spec_max_batch)
     return Engine(target, None, cfg, eos_id=-1, draft=draft)
 
 
@@ -118,21 +127,44 @@ def train_here(a: argparse.Namespace, target) -> EagleDraft:
 def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple[dict, list[list[int]]]:
     ps = prompts(a, vocab, max(batch, a.requests or 0), seed=2)
     sp = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
-    eng.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up (graphs, kernels)
+    if a.warmup == "full":  # the same workload untimed first: every CUDA graph bucket it uses gets captured
+        eng.generate(ps, sp)
+    else:
+        eng.generate(ps[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # kernels only
     before = eng.stats()
     if a.device == "cuda":
         torch.cuda.synchronize()
+    prof = None
+    if a.profile and (eng.spec is not None) == (a.profile == "draft") and batch == a.batches[-1]:
+        import cProfile
+
+        prof = cProfile.Profile()
     t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
     outs = eng.generate(ps, sp)
     if a.device == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
     s = eng.stats()
     rows = s["spec_verify_rows"] - before["spec_verify_rows"]
     acc = s["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     toks = sum(len(o.token_ids) for o in outs)
+    spent = {k: round(s[k] - before[k], 3) for k in ("spec_propose_seconds", "spec_verify_seconds", "decode_seconds",
+                                                    "prefill_seconds")}
+    runner = eng.runner
     return {"batch": batch, "requests": len(ps), "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
-            "tau": round((acc + rows) / rows, 3) if rows else None}, [o.token_ids for o in outs]
+            "tau": round((acc + rows) / rows, 3) if rows else None, "steps": s["steps"] - before["steps"],
+            "verify_forwards": s["spec_verify_forwards"] - before["spec_verify_forwards"], **spent,
+            "graphs": runner.num_captures if runner is not None and runner.use_graphs else 0,
+            "draft_graphs": len(getattr(eng.spec.proposer, "graphs", {})) if eng.spec is not None else 0
+            }, [o.token_ids for o in outs]
 
 
 def main(argv: list[str] | None = None) -> int:

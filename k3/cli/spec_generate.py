@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterator
 def engine_stream(model: Any, tokenizer: Any, ids: list[int], params: Any, draft_dir: str | None,
                   spec_tokens: int) -> tuple[Iterator[int], Callable[[], str]]:
     """(token ids as the engine emits them, a summary suffix for the final line: the mean acceptance
-    length with a draft). The engine runs without CUDA graphs or a prefix cache (one request)."""
+    length with a draft). One request, no prefix cache; CUDA graphs where the engine supports them (bf16
+    on CUDA: decode, verify and draft steps)."""
     from k3.model.draft import load_draft
     from k3.serve.engine import Engine, EngineConfig
 

@@ -54,9 +54,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 def default_target_layers(num_layers: int) -> tuple[int, int, int]:
     """(low, middle, high) capture indices for a target of `num_layers` layers: the states entering
-    layer 1, the middle layer and the last layer. Not the output mix (index num_layers): capturing it
-    splits the fused output-mix + final-norm kernel in two, which may round the target's logits
-    differently from a forward without capture."""
+    layer 1, the middle layer and the last layer. The output mix (index num_layers) works as well (the
+    target then computes that mix a second time, unnormalised, so its own output keeps the fused
+    output-mix + final-norm kernel's rounding) but is not the default."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     return (min(1, num_layers - 1), num_layers // 2, num_layers - 1)

@@ -208,8 +208,11 @@ class KDAttention(nn.Module):
         initial = cache.kda_state[self.layer_idx] if cache is not None else None
         if hooks is not None:
             initial = hooks.kda_initial_state(self, k, v, f, b.float(), layout)
+        steps = getattr(cache, "kda_steps", None)  # static verify: the state after every token, for a selection
         if cache is not None and cache.static_shapes:
-            o, final = self._decode_step(q, k, v, f, b.float(), initial)
+            o, final, inter = self._decode_step(q, k, v, f, b.float(), initial, intermediate=steps is not None)
+            if steps is not None:
+                steps[self.layer_idx] = (inter, torch.cat([tail.to(raw.dtype), raw], 1))
         else:
             o, final = kda(
                 q, k, v, f, b.float(), initial_state=initial, output_final_state=cache is not None,
@@ -249,11 +252,13 @@ class KDAttention(nn.Module):
         return out_s, new_tail.to(tail.dtype)
 
     def _decode_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, intermediate: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """KDA over a few tokens per row ([N, T] rows, no packing) with only shape-static ops (CUDA graphs).
 
         q, k, v, f: [N, T, H, K] (f: raw gate input); b: [N, T, H] beta logits; state: [N, H, K, K] fp32.
-        Returns (o [N, T, H, K] in v's dtype, final state [N, H, K, K] fp32). The Triton recurrent
+        Returns (o [N, T, H, K] in v's dtype, final state [N, H, K, K] fp32, the state after every token
+        [N, T, H, K, K] fp32 when `intermediate` else None). The Triton recurrent
         kernel runs on CUDA (or with the "triton" backend under TRITON_INTERPRET); elsewhere the
         token recurrence of `kda_reference` in PyTorch.
         """
@@ -263,22 +268,23 @@ class KDAttention(nn.Module):
 
             pool = state.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
             rows = torch.arange(q.shape[0], device=q.device)
-            o, _ = fused_recurrent_kda(q, k, v, f, b, pool, rows, A_log=self.A_log, dt_bias=self.dt_bias,
-                                       lower_bound=self.lower_bound, use_qk_l2norm_in_kernel=True,
-                                       use_beta_sigmoid_in_kernel=True)
-            return o, pool
+            o, inter = fused_recurrent_kda(q, k, v, f, b, pool, rows, A_log=self.A_log, dt_bias=self.dt_bias,
+                                           lower_bound=self.lower_bound, use_qk_l2norm_in_kernel=True,
+                                           use_beta_sigmoid_in_kernel=True, return_intermediate_states=intermediate)
+            return o, pool, inter
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
         qf, kf = l2norm(q).float(), l2norm(k).float()
         vf, beta = v.float(), torch.sigmoid(b.float())
         S = state.float()
         scale = self.head_dim ** -0.5
-        outs = []
+        outs, states = [], []
         for t in range(q.shape[1]):
             S = S * g[:, t].exp()[..., None]
             u = beta[:, t, :, None] * (vf[:, t] - torch.einsum("nhk,nhkv->nhv", kf[:, t], S))
             S = S + kf[:, t, :, :, None] * u[:, :, None, :]
             outs.append(torch.einsum("nhk,nhkv->nhv", qf[:, t] * scale, S))
-        return torch.stack(outs, 1).to(v.dtype), S
+            states.append(S)
+        return torch.stack(outs, 1).to(v.dtype), S, (torch.stack(states, 1) if intermediate else None)
 
 
 def _pow2_in(n: int, lo: int, hi: int) -> bool:

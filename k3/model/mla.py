@@ -175,10 +175,12 @@ class GatedMLA(nn.Module):
     # -- attention against the latent cache -------------------------------------------------------
     def _attend_cached(self, q: torch.Tensor, lat: torch.Tensor, layout: SeqLayout, cache: DecodeCache) -> torch.Tensor:
         q_pad, lat_pad = _to_padded(q, layout), _to_padded(lat, layout)
-        if cache.paged_mla and q_pad.shape[1] == 1:
-            # serving decode: the kernel reads each row's valid pages in place (no gather, no padded bucket)
+        if cache.paged_mla and (q_pad.shape[1] == 1 or cache.static_shapes):
+            # serving decode / static verify: the kernel reads each token's valid pages in place (no gather,
+            # no padded bucket); a static cache sizes its splits per row as in a decode step (mla_split_rows)
             pages, tables, lens = cache.mla_write(self.layer_idx, lat_pad)
-            return _from_padded(self._absorbed_paged(q_pad, pages, tables, lens), layout, q.shape[1])
+            o = self._absorbed_paged(q_pad, pages, tables, lens, getattr(cache, "mla_split_rows", None))
+            return _from_padded(o, layout, q.shape[1])
         buf = cache.mla_append(self.layer_idx, lat_pad, layout)  # [N, cap, D]
         if not cache.absorb_mla:  # prefill (static decode caches always absorb)
             return _from_padded(self._prefill_rows(q_pad, buf, layout), layout, q.shape[1])
@@ -233,19 +235,23 @@ class GatedMLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def _absorbed_paged(self, q: torch.Tensor, pages: torch.Tensor, tables: torch.Tensor,
-                        lens: torch.Tensor) -> torch.Tensor:
-        """`_absorbed` for one query per row over paged latents, by the Triton kernel.
+                        lens: torch.Tensor, split_rows: int | None = None) -> torch.Tensor:
+        """`_absorbed` over paged latents by the Triton kernel, each query token a kernel row.
 
-        q [N, 1, H, nope+rope]; pages [num_blocks, page_size, kv_lora+rope] (one layer of the pool);
-        tables [N, P] block ids; lens [N] tokens to attend (the new one included; 0 = padding row).
+        q [N, T, H, nope+rope]; pages [num_blocks, page_size, kv_lora+rope] (one layer of the pool);
+        tables [N * T, P] block ids; lens [N * T] tokens to attend (the token itself included; 0 =
+        padding). split_rows: size the kernel's sequence splits as for this many rows (None: N * T).
         """
-        from k3.ops.mla_decode import paged_mla_decode  # Triton: imported where it is used
+        from k3.ops.mla_decode import default_num_splits, paged_mla_decode  # Triton: imported where used
 
+        N, T = q.shape[:2]
         w_uk, w_uv = self._absorb_weights()
-        q_nope, q_pe = q[:, 0].split([self.nope, self.rope], dim=-1)
+        q_nope, q_pe = q.flatten(0, 1).split([self.nope, self.rope], dim=-1)
         q_lat = torch.einsum("nhd,hdr->nhr", q_nope.float(), w_uk.float())
-        o_lat = paged_mla_decode(q_lat, q_pe, pages, tables, lens, self.scale)
-        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv.float()).to(q.dtype)[:, None]
+        splits = (default_num_splits(split_rows, self.num_heads, tables.shape[1] * pages.shape[1], q.device)
+                  if split_rows else None)
+        o_lat = paged_mla_decode(q_lat, q_pe, pages, tables, lens, self.scale, num_splits=splits)
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv.float()).to(q.dtype).reshape(N, T, *o_lat.shape[1:2], -1)
 
 
 def _load_varlen() -> tuple[Callable | None, dict]:

@@ -130,12 +130,11 @@ class K3Model(nn.Module):
                 bank, prefix = checkpoint(layer, bank, prefix, layout, None, use_reentrant=False)
             else:
                 bank, prefix = layer(bank, prefix, layout, cache)
-        norm = None if len(self.layers) in want else self.norm  # else the caller wants the pre-norm mix too
-        out = self.kernels.attn_res(bank + [prefix], self.output_attn_res_norm.weight,
-                                    self.output_attn_res_proj.weight, self.config.rms_norm_eps, norm)
-        if norm is None:
-            hidden[len(self.layers)] = out
-            out = self.norm(out)
+        mix = (bank + [prefix], self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+               self.config.rms_norm_eps)
+        out = self.kernels.attn_res(*mix, self.norm)
+        if len(self.layers) in want:  # the pre-norm mix separately: the output keeps the fused kernel's rounding
+            hidden[len(self.layers)] = self.kernels.attn_res(*mix, None)
         if cache is not None:
             cache.advance(layout.new_lens)
         return out, hidden

@@ -268,52 +268,66 @@ class PagedBatchCache:
 
 
 class StaticDecodeCache:
-    """A `k3.model.cache.DecodeCache` for one decode step ([N, 1] input rows) whose every shape is fixed by
-    its index tensors, never by host values, so the forward can be captured in a CUDA graph.
+    """A `k3.model.cache.DecodeCache` for one decode or verify step ([N, T] input rows, T small) whose every
+    shape is fixed by its index tensors, never by host values, so the forward can be captured in a CUDA graph.
 
-    past_lens: [N] long, tokens already cached (the new token goes to position past_lens[i]).
-    page_tables: [N, P] long block ids (P * page_size > past_lens[i] for valid rows; unused entries 0).
-    slot_index: [N, slot_blocks] long, each row's KDA slot blocks. valid: [N] bool.
-    Padding rows (valid False) must have past_lens 0 and only block 0 in their page table and slot:
-    their latent writes are zeros into block 0, and `commit` re-zeroes block 0 after their state write.
-    paged_mla: MLA reads each row's past_lens + 1 latent rows in place with the paged decode kernel
-    (`k3.ops.mla_decode`; padding rows read nothing), so its cost follows the real lengths. Otherwise
-    (the reference path) it attends over all P * page_size gathered rows, positions > past_lens masked.
+    past_lens: [N] long, tokens already cached (row i's token t goes to position past_lens[i] + t).
+    page_tables: [N, P] long block ids (covering every real token of valid rows; unused entries 0).
+    slot_index: [N, slot_blocks] long, each row's KDA slot blocks. num_real: [N] long, the real new
+    tokens of each row (0 = a padding row; tokens t >= num_real[i] are padding inside a row: their
+    latents go to block 0, their outputs are garbage and must not be used).
+    Padding rows must have past_lens 0 and only block 0 in their page table and slot: their latent
+    writes go to block 0, and `commit` re-zeroes block 0 after their state write.
+    paged_mla: MLA reads each token's past_lens + t + 1 latent rows in place with the paged decode
+    kernel (`k3.ops.mla_decode`, one query row per token, its sequence splits sized for N rows as in a
+    decode step, so a verify token and a decode step at the same position do the same reduction).
+    Otherwise (the reference path) it attends over all P * page_size gathered rows, later positions masked.
+    keep_steps (verify): KDA layers leave the slots alone and put (state after every token
+    [N, T, H, K, V] fp32, [conv tail | raw inputs] [N, W-1+T, C]) into `kda_steps`, from which
+    `select_kda_steps` writes the state after each row's kept tokens.
     """
 
     static_shapes = True  # read by GatedMLA / KDAttention: take the static decode path
     absorb_mla = True
 
     def __init__(self, pool: BlockPool, past_lens: torch.Tensor, page_tables: torch.Tensor,
-                 slot_index: torch.Tensor, valid: torch.Tensor, *, paged_mla: bool = False) -> None:
-        self.pool, self.num_seqs = pool, past_lens.shape[0]
+                 slot_index: torch.Tensor, num_real: torch.Tensor, *, num_new: int = 1, paged_mla: bool = False,
+                 keep_steps: bool = False) -> None:
+        self.pool, self.num_seqs, self.num_new = pool, past_lens.shape[0], num_new
         self.lengths = past_lens
         self.paged_mla = paged_mla
-        self._attend_lens = torch.where(valid, past_lens + 1, torch.zeros_like(past_lens))
-        self._tables, self._valid, self._slot_index = page_tables, valid, slot_index.reshape(-1)
+        self.mla_split_rows = self.num_seqs
+        self.kda_steps: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_steps else None
+        self._tables, self._slot_index = page_tables, slot_index.reshape(-1)
         self.kda_state, self.conv_tail = pool.gather_slots(self._slot_index) if pool.layout.kda_layers else ({}, {})
         page = pool.layout.page_size
-        self._wblock = page_tables.gather(1, (past_lens // page)[:, None])[:, 0]
-        self._woff = past_lens % page
+        pos = past_lens[:, None] + torch.arange(num_new, device=past_lens.device)[None]  # [N, T]
+        self._real = torch.arange(num_new, device=past_lens.device)[None] < num_real.long()[:, None]  # [N, T]
+        block = page_tables.gather(1, (pos // page).clamp(max=page_tables.shape[1] - 1))
+        self._wblock = torch.where(self._real, block, torch.zeros_like(block))  # padding tokens: block 0
+        self._woff = pos % page
+        self._attend_lens = torch.where(self._real, pos + 1, torch.zeros_like(pos)).reshape(-1)
+        self._q_tables = page_tables.repeat_interleave(num_new, 0) if num_new > 1 else page_tables
 
     def mla_append(self, layer: int, new: torch.Tensor, layout) -> torch.Tensor:
-        """new: [N, 1, D] latents -> written at past_lens; returns [N, P * page_size, D]."""
+        """new: [N, T, D] latents -> written at past_lens + t; returns [N, P * page_size, D]."""
         pages = self._write(layer, new)
         g = pages[self._tables, self.pool.mla_index[layer]]  # [N, P, page, D]
         return g.reshape(self.num_seqs, -1, g.shape[-1])
 
     def mla_write(self, layer: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """new: [N, 1, D] latents -> written at past_lens; returns the paged decode kernel's inputs:
-        (that layer's pages [num_blocks, page, D], a view of the pool; tables [N, P]; lens [N])."""
+        """new: [N, T, D] latents -> written at past_lens + t; returns the paged decode kernel's inputs, one
+        query row per token (row i * T + t): (that layer's pages [num_blocks, page, D], a view of the
+        pool; tables [N * T, P]; lens [N * T], 0 for padding)."""
         pages = self._write(layer, new)
-        return pages[:, self.pool.mla_index[layer]], self._tables, self._attend_lens
+        return pages[:, self.pool.mla_index[layer]], self._q_tables, self._attend_lens
 
     def _write(self, layer: int, new: torch.Tensor) -> torch.Tensor:
-        if new.shape[1] != 1:
-            raise ValueError(f"StaticDecodeCache takes one new token per row, got {new.shape[1]}")
+        if new.shape[1] != self.num_new:
+            raise ValueError(f"StaticDecodeCache takes {self.num_new} new tokens per row, got {new.shape[1]}")
         pages = self.pool.pages
-        row = torch.where(self._valid[:, None], new[:, 0].to(pages.dtype), torch.zeros((), dtype=pages.dtype,
-                                                                                        device=new.device))
+        row = torch.where(self._real[:, :, None], new.to(pages.dtype), torch.zeros((), dtype=pages.dtype,
+                                                                                  device=new.device))
         pages[self._wblock, self.pool.mla_index[layer], self._woff] = row
         return pages
 
@@ -321,6 +335,25 @@ class StaticDecodeCache:
         self.lengths = self.lengths + new_lens.to(self.lengths.device)
 
     def commit(self) -> None:
-        if self.pool.layout.kda_layers:
+        if self.pool.layout.kda_layers and self.kda_steps is None:
             self.pool.scatter_slots(self._slot_index, self.kda_state, self.conv_tail)
-            self.pool.storage[0].zero_()  # padding rows wrote their state into the zero block
+        self.pool.storage[0].zero_()  # padding rows / tokens wrote into the zero block
+
+
+def select_kda_steps(pool: BlockPool, slot_index: torch.Tensor, steps: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                     kept: torch.Tensor) -> None:
+    """Write into N slots the KDA state after each row's first kept[i] tokens of a verify step.
+
+    slot_index [N * slot_blocks] long; steps {layer: (states [N, T, H, K, V] fp32, [old tail | raw
+    inputs] [N, W-1+T, C])} as a `StaticDecodeCache(keep_steps=True)` recorded them (row slices of);
+    kept [N] long device tensor in 1..T. Device ops only (no host read)."""
+    if not steps:
+        return
+    rows = torch.arange(kept.shape[0], device=kept.device)
+    w1 = pool.layout.conv_width - 1
+    cols = kept[:, None] + torch.arange(w1, device=kept.device)[None]  # the last W-1 inputs up to token kept-1
+    states, tails = {}, {}
+    for layer, (inter, ext) in steps.items():
+        states[layer] = inter[rows, kept - 1]
+        tails[layer] = ext.gather(1, cols[:, :, None].expand(-1, -1, ext.shape[-1]))
+    pool.scatter_slots(slot_index, states, tails)

@@ -54,6 +54,10 @@ class EngineConfig:
     (`k3.serve.speculative`; exact for greedy and sampled requests).
     speculative_draft_tokens: draft length k of learned-draft (EAGLE-3) speculation when the engine is
     given a draft model (`Engine(..., draft=)`, `k3.serve.draft_spec`); exact likewise.
+    speculative_draft_window: draft KV positions kept per request (a ring: the draft attends to about
+    the last this many positions; only the acceptance rate depends on it).
+    speculative_max_batch: steps with more decoding requests than this decode plainly (0 = no limit):
+    where a verify step costs more than the tokens it saves (large batches of a small model).
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -81,6 +85,8 @@ class EngineConfig:
     speculative_min_match: int = 2
     speculative_max_match: int = 4
     speculative_draft_tokens: int = 4
+    speculative_draft_window: int = 1024
+    speculative_max_batch: int = 0
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -88,11 +94,13 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram"):
+        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram",
+                     "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
-        for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens"):
+        for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens",
+                     "speculative_draft_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
@@ -189,11 +197,15 @@ class Engine:
         self.metrics = EngineMetrics()
         graphs = cfg.cuda_graphs and graphs_supported(model, self.device)
         self.paged_mla = self.device.type == "cuda" if cfg.paged_mla_decode is None else cfg.paged_mla_decode
+        spec_k = cfg.speculative_draft_tokens if draft is not None else cfg.speculative_ngram
+        # verify steps ([N, k + 1] tokens) and the draft's features come from the same static runner
         self.runner = DecodeRunner(model, self.pool, max_batch=cfg.max_running,
                                    max_len=min(cfg.cuda_graph_max_len, self.max_model_len),
-                                   use_graphs=graphs, paged_mla=self.paged_mla) if graphs or cfg.static_decode else None
+                                   use_graphs=graphs, paged_mla=self.paged_mla, max_new=spec_k + 1,
+                                   capture_layers=draft.config.target_layers if draft is not None else ()
+                                   ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
-                                    draft, cfg.speculative_draft_tokens)
+                                    draft, cfg.speculative_draft_tokens, cfg.speculative_draft_window, cfg.max_running)
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -333,8 +345,9 @@ class Engine:
         if plan.prefill:
             touched += self._run(plan.prefill, decode=False)
         decode = plan.decode
-        if decode and self.spec is not None:  # requests with drafts verify them (eagerly), the rest decode
-            decode, drafted = self.spec.split(decode)
+        limit = self.config.speculative_max_batch
+        if decode and self.spec is not None and (not limit or len(decode) <= limit):
+            decode, drafted = self.spec.split(decode)  # requests with drafts verify them, the rest decode
             if drafted:
                 touched += self.spec.run(drafted)
         if decode:
@@ -397,12 +410,14 @@ class Engine:
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
         capture = self.spec.capture_layers if self.spec is not None else []  # a learned draft reads them
-        if decode and self.runner is not None and not capture:  # the graphs capture no hidden states
-            logits = self.runner.decode([r.tokens[r.num_computed] for r in reqs], [r.num_computed for r in reqs],
-                                        [r.slot for r in reqs], [r.pages for r in reqs])
-            if logits is not None:  # else: beyond the runner's buckets, run the dynamic path
+        if decode and self.runner is not None:
+            out = self.runner.run([[r.tokens[r.num_computed]] for r in reqs], [r.num_computed for r in reqs],
+                                  [r.slot for r in reqs], [r.pages for r in reqs])
+            if out is not None:  # else: beyond the runner's buckets, run the dynamic path
+                if out[1] is not None:
+                    self.spec.observe_rows(batch, out[1])
                 self._computed(batch)
-                return logits
+                return out[0][:, 0]
         cache = PagedBatchCache(self.pool, [r.pages for r in reqs], [r.slot for r in reqs],
                                 [r.num_computed for r in reqs], ns, absorb_mla=decode, paged_mla=self.paged_mla)
         if decode:

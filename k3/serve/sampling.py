@@ -58,11 +58,11 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], rngs: S
 
 
 def limit_vocab(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
-    """logits [N, vocab] -> float32 logits with ids >= vocab_limit at -inf (a copy when changed)."""
+    """logits [..., vocab] -> float32 logits with ids >= vocab_limit at -inf (a copy when changed)."""
     logits = logits.float()
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = logits.clone()
-        logits[:, vocab_limit:] = float("-inf")
+        logits[..., vocab_limit:] = float("-inf")
     return logits
 
 

@@ -31,7 +31,6 @@ rejection the token is drawn from p with x removed, renormalised (Leviathan et a
 
 from __future__ import annotations
 
-import random
 import time
 import weakref
 from collections.abc import Sequence
@@ -40,9 +39,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from k3.serve.acceptance import DraftIds, accept_draft, accept_greedy
 from k3.serve.cache_manager import PagedBatchCache
 from k3.serve.logits import needs_adjust
-from k3.serve.sampling import SamplingParams, limit_vocab, sample_from, target_probs, token_logprobs
+from k3.serve.sampling import limit_vocab, token_logprobs
 
 if TYPE_CHECKING:
     from k3.serve.scheduler import Request
@@ -111,50 +111,6 @@ class NgramProposer:
         return arr[end + 1: end + 1 + limit].tolist()
 
 
-def accept_draft(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
-                 rng: random.Random, q: torch.Tensor | None = None) -> tuple[list[int], int]:
-    """Chain acceptance for one request. logits: [k + 1, V] float32 (vocab-limited) where row j is
-    the target's prediction after the draft's first j tokens; draft: k token ids. q: [k, V] float32,
-    the distributions the drafts were drawn from (a learned draft, `k3.serve.draft_spec`), or None for
-    a deterministic proposer (a point mass). Returns (tokens to emit: the accepted drafts then one
-    target token, number of drafts accepted).
-
-    Greedy: accept while the draft equals the argmax; the emitted token after is the argmax.
-    Sampling (p = `target_probs`, the distribution `sample_batch` draws from): draft x is accepted
-    with probability min(1, p(x) / q(x)); on rejection the token is drawn from normalise(max(0, p - q))
-    (for a point mass: p with x zeroed); after k acceptances a bonus token is drawn from p
-    (Leviathan et al. 2023), so every emitted token is distributed as p. Uniforms come from the
-    request's rng (one per acceptance test, one per drawn token), so seeded runs repeat.
-    """
-    k = len(draft)
-    if logits.shape[0] != k + 1:
-        raise ValueError(f"logits must have len(draft) + 1 = {k + 1} rows, got {logits.shape[0]}")
-    if q is not None and q.shape[0] != k:
-        raise ValueError(f"q must have len(draft) = {k} rows, got {q.shape[0]}")
-    if params.greedy:
-        best = logits.argmax(-1).tolist()
-        n = 0
-        while n < k and draft[n] == best[n]:
-            n += 1
-        return list(draft[:n]) + [best[n]], n
-    p = target_probs(logits, [params] * (k + 1))
-    rows, cols = torch.arange(k, device=p.device), torch.tensor(list(draft), device=p.device)
-    p_draft = p[rows, cols].tolist()
-    q_draft = [1.0] * k if q is None else q.to(p.device)[rows, cols].tolist()
-    for j in range(k):
-        if rng.random() * q_draft[j] < p_draft[j]:  # u < p / q without dividing by a tiny q
-            continue
-        if q is None:
-            residual = p[j].clone()
-            residual[draft[j]] = 0.0
-        else:
-            residual = (p[j] - q[j].to(p.device)).clamp_(min=0.0)
-            if not float(residual.sum()) > 0.0:  # only by rounding (p == q would have accepted): draw from p
-                residual = p[j]
-        return list(draft[:j]) + [sample_from(residual, rng.random())], j
-    return list(draft) + [sample_from(p[k], rng.random())], k
-
-
 class TokenArray:
     """An int64 numpy copy of a growing token list, extended by the new tokens only (the proposer
     would otherwise convert a long context's whole list every step)."""
@@ -183,8 +139,9 @@ class Proposer(Protocol):
 
     capture_layers: list[int]
 
-    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """(request, most drafts allowed) -> (draft ids, their distributions [n, V] or None = point mass)."""
+    def propose(self, cands: list[tuple[Request, int]]) -> list[tuple[list[int] | DraftIds, torch.Tensor | None]]:
+        """(request, most drafts allowed) -> (draft ids (a list, or `DraftIds` still on the device: greedy
+        only), their distributions [n, V] or None = point mass)."""
         ...
 
     def observe(self, req: Request, start: int, aux: torch.Tensor) -> None:
@@ -214,7 +171,8 @@ class NgramSource:
         return arr.sync(r.tokens)
 
 
-Drafted = tuple[Any, list[int], "torch.Tensor | None"]  # (Request, drafts, their distributions or None)
+# (Request, drafts: host ids or `DraftIds` on the device, their distributions or None)
+Drafted = tuple[Any, "list[int] | DraftIds", "torch.Tensor | None"]
 
 
 class SpeculativeDecoder:
@@ -253,7 +211,10 @@ class SpeculativeDecoder:
             else:
                 cands.append((r, room))
         drafted = []
-        for (r, _), (d, q) in zip(cands, self.source.propose(cands) if cands else []):
+        start = time.perf_counter()
+        proposals = self.source.propose(cands) if cands else []
+        eng.metrics.spec_propose_seconds += time.perf_counter() - start
+        for (r, _), (d, q) in zip(cands, proposals):
             if d and eng.scheduler.reserve(r, r.num_computed + 1 + len(d)):
                 drafted.append((r, d, q))
             else:
@@ -270,14 +231,89 @@ class SpeculativeDecoder:
             self.source.observe(r, r.num_computed, aux[off: off + n])
             off += n
 
+    def observe_rows(self, batch: list[tuple[Request, int]], aux: torch.Tensor) -> None:
+        """`observe_forward` for a static step: aux [N, T, F] (the runner's output, a view valid until its
+        next step: copied here once), row i's first n_i positions (batch (request, n_i), num_computed not
+        yet advanced)."""
+        aux = aux.clone()
+        for i, (r, n) in enumerate(batch):
+            self.source.observe(r, r.num_computed, aux[i, :n])
+
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """The captured layers concatenated: [..., len(capture_layers) * H]."""
         return torch.cat([hidden[i] for i in self.capture_layers], -1)
 
     def run(self, drafted: list[Drafted]) -> list[Request]:
-        """Verify, accept and emit for every (request, drafts, q); returns the requests touched."""
+        """Verify, accept and emit for every (request, drafts, q); returns the requests touched. The verify
+        forward runs in the engine's static runner (a CUDA graph on GPU) when it has one and a bucket fits,
+        else eagerly (`_run_eager`)."""
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and runner.max_new > max(len(d) for _, d, _ in drafted):
+            done = self._run_static(drafted, runner)
+            if done is not None:
+                return done
+        return self._run_eager(drafted)
+
+    def _run_static(self, drafted: list[Drafted], runner: Any) -> list[Request] | None:
+        """The verify step through `runner` (`k3.serve.model_runner.DecodeRunner.run` + `commit_verify`):
+        the same static kernels as a decode step, the per-token KDA states recorded by the forward (the
+        rollback selects one, nothing is recomputed). Drafts still on the device (`DraftIds`) go into the
+        step's input there; they and the greedy rows' argmaxes come back in one host read. None when no
+        bucket fits (nothing was run)."""
         eng, m = self.engine, self.engine.metrics
         start = time.perf_counter()
+        reqs = [r for r, _, _ in drafted]
+        dev = device_drafts(drafted)
+        try:
+            out = runner.run([[r.tokens[r.num_computed]] + ([0] * len(d) if dev is not None else d)
+                              for r, d, _ in drafted], [r.num_computed for r in reqs],
+                             [r.slot for r in reqs], [r.pages for r in reqs], draft_ids=dev)
+        except Exception as e:  # a failed forward fails its requests, never the engine
+            for r in reqs:
+                eng.finish_request(r, "error", donate=False, error=f"{type(e).__name__}: {e}")
+            return reqs
+        if out is None:
+            return None
+        raw, aux = out[0], (out[1].clone() if out[1] is not None else None)
+        best = raw[..., : eng.vocab_limit].argmax(-1)  # [n, t]: the greedy rows' verdicts (bf16 argmax is exact)
+        k = 0 if dev is None else dev.shape[1]
+        read = (best if dev is None else torch.cat([dev, best], 1)).tolist()  # the one host read of the step
+        kept_all: list[int] = []
+        finished: list[tuple[Request, str]] = []
+        for i, (r, d, q) in enumerate(drafted):
+            d = read[i][: len(d)] if dev is not None else d
+            need_rows = not r.params.greedy or r.params.logprobs is not None
+            rows = limit_vocab(raw[i, : len(d) + 1], eng.vocab_limit) if need_rows else None
+            toks, accepted = accept_greedy(read[i][k:], d) if r.params.greedy else accept_draft(rows, d, r.params,
+                                                                                                r.rng, q)
+            m.spec_draft_tokens += len(d)
+            m.spec_accepted_tokens += accepted
+            kept, reason = self._emit(r, rows, toks)
+            if aux is not None and reason is None:
+                self.source.observe(r, r.num_computed, aux[i, :kept])
+            kept_all.append(kept)
+            if reason is not None:
+                finished.append((r, reason))
+        runner.commit_verify(kept_all)  # the state after the kept tokens, before a finishing request donates it
+        m.spec_rerun_forwards += any(k < len(d) + 1 for k, (_, d, _) in zip(kept_all, drafted))
+        for r, n in zip(reqs, kept_all):
+            self._advance(r, n)
+        m.spec_verify_forwards += 1
+        m.spec_verify_rows += len(drafted)
+        for r, reason in finished:
+            if r.status != "finished":
+                eng.finish_request(r, reason)
+        m.spec_verify_seconds += time.perf_counter() - start
+        return reqs
+
+    def _run_eager(self, drafted: list[Drafted]) -> list[Request]:
+        """The verify step as one packed eager forward, rolled back by replaying the KDA recurrence."""
+        eng, m = self.engine, self.engine.metrics
+        start = time.perf_counter()
+        dev = device_drafts(drafted)
+        if dev is not None:
+            ids = dev.tolist()
+            drafted = [(r, ids[i][: len(d)], q) for i, (r, d, q) in enumerate(drafted)]
         reqs = [r for r, _, _ in drafted]
         try:
             snapshot = eng.pool.read_slots([r.slot for r in reqs]) if eng.layout.kda_layers else None
@@ -319,10 +355,13 @@ class SpeculativeDecoder:
         m.spec_verify_seconds += time.perf_counter() - start
         return reqs
 
-    def _emit(self, r: Request, rows: torch.Tensor, toks: list[int]) -> tuple[int, str | None]:
+    def _emit(self, r: Request, rows: torch.Tensor | None, toks: list[int]) -> tuple[int, str | None]:
         """Append the accepted tokens one by one until the request finishes -> (tokens kept, reason)."""
         n = len(toks)
-        lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
+        if r.params.logprobs is None:  # (building the id tensor alone would cost a host->device copy)
+            lps, tops = [None] * n, [None] * n
+        else:
+            lps, tops = token_logprobs(rows[:n], torch.tensor(toks, device=rows.device), [r.params] * n)
         for j, t in enumerate(toks):
             reason = self.engine.append_token(r, t, lps[j], tops[j])
             if reason is not None:
@@ -384,6 +423,24 @@ class SpeculativeDecoder:
         return (eng.model.lm_head(h[0]) if logits else None), aux
 
 
+def device_drafts(drafted: list[Drafted]) -> torch.Tensor | None:
+    """The drafts of the verify rows as one device tensor [N, k] when every row's are `DraftIds` (a greedy
+    learned-draft batch), else None (host lists). Row order follows `drafted` (a subset of the proposer's
+    rows: those that got pages)."""
+    ds = [d for _, d, _ in drafted]
+    if not ds or not all(isinstance(d, DraftIds) for d in ds):
+        if any(isinstance(d, DraftIds) for d in ds):
+            raise ValueError("a verify batch mixes device drafts (DraftIds) with host lists")
+        return None
+    src = ds[0].ids
+    rows = [d.row for d in ds]
+    if any(d.ids is not src for d in ds):
+        raise ValueError("device drafts of one verify batch must come from one proposal")
+    if rows == list(range(len(rows))):
+        return src[: len(rows)]
+    return src.index_select(0, torch.tensor(rows, dtype=torch.long).to(src.device, non_blocking=True))
+
+
 def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
     """Packed [total, ...] -> [len(starts), max(ns), ...]: row i = x[starts[i]: starts[i] + ns[i]], zero padded."""
     out = x.new_zeros((len(starts), max(ns), *x.shape[1:]))
@@ -393,15 +450,22 @@ def _rows(x: torch.Tensor, starts: list[int], ns: list[int]) -> torch.Tensor:
 
 
 def make_speculator(engine: VerifyHost, ngram: int, min_match: int, max_match: int, draft: Any = None,
-                    draft_tokens: int = 4) -> SpeculativeDecoder | None:
+                    draft_tokens: int = 4, draft_window: int = 1024, max_rows: int = 64) -> SpeculativeDecoder | None:
     """The engine's verify path: learned-draft speculation when `draft` (an `EagleDraft`) is given
-    (`draft_tokens` drafts per step), n-gram speculation when ngram > 0, else None."""
+    (`draft_tokens` drafts per step, a KV window of `draft_window` positions, up to `max_rows` requests
+    drafted together; CUDA graphs when the engine's runner uses them), n-gram speculation when
+    ngram > 0, else None."""
     if draft is not None and ngram:
         raise ValueError("use either a learned draft or n-gram speculation (speculative_ngram), not both")
     if draft is not None:
         from k3.serve.draft_spec import DraftProposer  # k3.model.draft is loaded only when a draft is used
 
-        return SpeculativeDecoder(engine, DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit))
+        runner = getattr(engine, "runner", None)
+        graphs = runner is not None and runner.use_graphs
+        proposer = DraftProposer(draft, engine.model, draft_tokens, engine.vocab_limit,
+                                 max_rows=max_rows, window=draft_window, graphs=graphs,
+                                 mempool=runner.mempool if graphs else None)
+        return SpeculativeDecoder(engine, proposer)
     if ngram:
         return SpeculativeDecoder(engine, NgramSource(ngram, min_match, max_match))
     return None

@@ -16,6 +16,7 @@ from k3.model.draft import DraftConfig, EagleDraft
 from k3.model.safetensors_io import CheckpointError
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.metrics import prometheus_text
+from k3.serve.acceptance import DraftIds
 from k3.serve.sampling import SamplingParams, target_probs
 from k3.serve.speculative import accept_draft
 
@@ -51,24 +52,32 @@ def draft(model) -> EagleDraft:
 
 
 def _oracle(eng: Engine, full: list[list[int]], bad: int = 3) -> None:
-    """Replace the draft's greedy picks by the plain-decoding continuation, except every `bad`-th one, so
-    verify runs are accepted in full, in part and not at all; the draft's own forward, KV cache and the
-    engine's capture / rollback all still run."""
+    """Replace the draft's picks by the plain-decoding continuation, except every `bad`-th one, so verify
+    runs are accepted in full, in part and not at all; the draft's own forward, KV cache and the engine's
+    capture / rollback all still run."""
     prop, calls = eng.spec.proposer, [0]
-    own = prop.sample_drafts
+    own = prop.propose
 
-    def sample(logits, reqs, toks, qs):
-        own(logits, reqs, toks, qs)
-        for b, r in enumerate(reqs):
-            ctx = r.tokens + toks[b][:-1]
-            seq = next((f for f in full if f[: len(ctx)] == ctx and len(f) > len(ctx)), None)
-            if seq is not None:
-                calls[0] += 1
-                if calls[0] % bad:
-                    toks[b][-1] = seq[len(ctx)]
-        return torch.tensor([t[-1] for t in toks])
+    def propose(cands):
+        out = []
+        own_out = own(cands)
+        for (r, _), (toks, q) in zip(cands, own_out):
+            toks = toks.host() if hasattr(toks, "host") else list(toks)  # DraftIds: greedy drafts on the device
+            for j in range(len(toks)):
+                ctx = r.tokens + toks[:j]
+                seq = next((f for f in full if f[: len(ctx)] == ctx and len(f) > len(ctx)), None)
+                if seq is not None:
+                    calls[0] += 1
+                    if calls[0] % bad:
+                        toks[j] = seq[len(ctx)]
+            out.append((toks, q))
+        if any(hasattr(d, "host") for d, _ in own_out):  # greedy drafts were on the device: hand them back there
+            k = max(len(t) for t, _ in out)
+            ids = torch.tensor([t + [0] * (k - len(t)) for t, _ in out], device=eng.device)
+            out = [(DraftIds(ids, i, len(t)), q) for i, (t, q) in enumerate(out)]
+        return out
 
-    prop.sample_drafts = sample
+    prop.propose = propose
 
 
 def test_greedy_with_draft_equals_plain_decoding(model, draft):

@@ -199,12 +199,12 @@ def test_decode_beyond_the_buckets_returns_none_and_bad_input_is_refused(model):
     pool, _ = _twin_pools(model, 4, num_seqs=1, num_pages=8)
     runner = DecodeRunner(model, pool, max_batch=2, max_len=8, use_graphs=False)
     slot = [1] * pool.layout.slot_blocks
-    assert runner.bucket(3, 1) is None and runner.bucket(2, 3) is None and runner.bucket(2, 2) == (2, 2)
+    assert runner.bucket(3, 1) is None and runner.bucket(2, 3) is None and runner.bucket(2, 2) == (2, 2, 1)
     assert runner.decode([1, 2, 3], [0, 0, 0], [slot] * 3, [[2]] * 3) is None  # 3 rows > max_batch
     assert runner.decode([1], [8], [slot], [[2, 3, 4]]) is None  # position 8 needs a third page
     # 1..2 rows, contexts of 3..8 tokens (page 4: 1 or 2 pages); without graphs warmup captures nothing
-    assert runner.buckets_for(5, 3, 8) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert runner.buckets_for(1, 6, 100) == [(1, 2)] and runner.warmup(2, 1, 8) == 0
+    assert runner.buckets_for(5, 3, 8) == [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 1)]
+    assert runner.buckets_for(1, 6, 100) == [(1, 2, 1)] and runner.warmup(2, 1, 8) == 0
     with pytest.raises(ValueError, match="does not cover position 4"):
         runner.decode([1], [4], [slot], [[2]])
     with pytest.raises(ValueError, match="slot has"):
@@ -282,7 +282,7 @@ def test_static_step_reads_nothing_back_to_the_host(torch_kda):
         runner = DecodeRunner(model, seqs.pool, max_batch=4, max_len=32, use_graphs=False)
         runner.decode(*seqs.decode_args())  # fills the input buffer for bucket (4, 4)
         with HostReads() as reads:
-            runner._step(4, 4)
+            runner._step(4, 4, 1)
     assert reads.hits and all(h == ("tolist", "sizes = counts.tolist()") for h in reads.hits), reads.hits
     with HostReads() as reads:  # the detector works
         torch.arange(3)[torch.arange(3) > 0].sum().item()
@@ -301,9 +301,9 @@ def test_serve_cli_no_cuda_graphs(tokenizer):
 
 
 def _spy(fn, calls: list):
-    """fn(a, b) recording ((a, b), result) in `calls`."""
-    def wrapped(a: int, b: int):
-        out = fn(a, b)
+    """fn(a, b[, t]) recording ((a, b), result) in `calls`."""
+    def wrapped(a: int, b: int, t: int = 1):
+        out = fn(a, b, t)
         calls.append(((a, b), out))
         return out
 
