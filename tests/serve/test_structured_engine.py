@@ -120,13 +120,13 @@ def test_static_decode_path_masks_outside_the_graph(make_engine, tokenizer, pers
     sp = SamplingParams(temperature=0, max_tokens=120)
     eng = make_engine(static_decode=True, max_running=4)
     calls = [0]
-    own = eng.runner.decode
+    own = eng.runner.run  # the engine's static step (decode and verify) goes through DecodeRunner.run
 
-    def decode(*a, **kw):
+    def counted(*a, **kw):
         calls[0] += 1
         return own(*a, **kw)
 
-    eng.runner.decode = decode
+    eng.runner.run = counted
     got = run(eng, [(json_prompt(tokenizer), sp, person), (REPEAT, SamplingParams(temperature=0, max_tokens=8,
                                                                                    ignore_eos=True), None)])
     ref = run(make_engine(max_running=4), [(json_prompt(tokenizer), sp, person)])
