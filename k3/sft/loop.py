@@ -107,7 +107,7 @@ class SFTTrainer(Trainer):
 
     def _pack(self, convs: list[dict], weighted: bool = False):
         cfg = self.cfg
-        if weighted and cfg.decision_weight != 1:
+        if weighted:  # the caller decides (decision_weight != 1, one process)
             docs = [encode_weighted(c, self.tokenizer, cfg.thinking_effort, cfg.decision_weight,
                                     cfg.decision_think_tokens) for c in convs]
         else:
