@@ -18,7 +18,9 @@ compulsory DRAM bytes and tensor FLOPs per (chunk, head) tile) -> achieved GB/s,
 fraction of the roofline: max(bytes / HBM, bf16 FLOPs / 790 T + tf32 FLOPs / 395 T) / measured time.
 fla's kernels get their times only (their cost model is not ours to write).
 
-fla autotunes every kernel at its first call (minutes at these shapes); `--fla-tuned FILE` replays the
+fla autotunes every kernel at its first call (minutes at these shapes, mostly compiling its candidate
+configurations); `--fla-precompile N` compiles them first in N parallel processes (`fla_precompile`), so
+that the timed process only benchmarks them.  `--fla-tuned FILE` replays the
 configurations fla chose in an earlier process (`--fla-dump FILE` writes them, and the script prints them
 as one `FLA_TUNED_JSON` line), so a later run on the same GPU model times fla's own choice without the
 warm-up.
@@ -122,6 +124,41 @@ def fla_tuned_dump() -> dict:
     return out
 
 
+def fla_precompile(shapes: list[str], modes: list[str], workers: int) -> None:
+    """Compile fla's autotune candidates in `workers` parallel processes, each autotuning a disjoint slice of
+    every autotuner's configurations on the same inputs (filling Triton's on-disk compile cache; their
+    choices, made on a shared GPU, are discarded), so that this process's own autotune finds every
+    candidate compiled and only benchmarks them, alone on the GPU."""
+    import subprocess
+
+    t0 = time.time()
+    cmd = [sys.executable, os.path.abspath(__file__), "--shapes", ",".join(shapes), "--modes", ",".join(modes)]
+    procs = [subprocess.Popen(cmd + ["--fla-worker", f"{w}/{workers}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for w in range(workers)]
+    codes = [p.wait() for p in procs]
+    log(f"fla: candidates compiled by {workers} processes in {time.time() - t0:.0f} s (exit codes {codes})")
+
+
+def fla_worker(spec: str, shapes: list[str], modes: list[str], fck) -> None:
+    w, n = (int(t) for t in spec.split("/"))
+    for at in _fla_autotuners().values():
+        at.configs = at.configs[w::n] or at.configs[:1]
+    for shape in shapes:
+        lengths, H = SHAPES[shape]
+        for mode in modes:
+            x = make_inputs(lengths, H, mode == "prefill")
+            if mode in ("fwd", "fwdbwd"):
+                for t in ("q", "k", "v", "g", "beta"):
+                    x[t].requires_grad_()
+            try:
+                make_fns(x, mode, fck)["fla"]()
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - a worker only warms the compile cache
+                pass
+            del x
+            torch.cuda.empty_cache()
+
+
 def fla_tuned_load(path: str) -> int:
     """Put the configurations of an earlier run into fla's autotuner caches; returns how many."""
     import triton
@@ -211,8 +248,19 @@ def kernel_times(fn, iters: int = 5) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def op_floor_ms(n_tok: int, H: int, mode: str, hbm: float) -> float:
+    """The op's own roofline: q, k, v, g, beta read and o written once (a backward also reads do and the
+    inputs and writes their five gradients), chunked-form FLOPs per head 6 T D^2 + 3 T 64 D + T 64^2
+    (benchmarks.md section 3), three times that with the backward."""
+    io = n_tok * H * (4 * D * 2 + 2 + D * 2)
+    flops = H * (6 * n_tok * D * D + 3 * n_tok * 64 * D + n_tok * 64 * 64)
+    if mode == "fwdbwd":
+        io, flops = io + n_tok * H * (D * 2 + 2 * (4 * D * 2 + 2)), 3 * flops
+    return max(io / hbm, flops / BF16_ROOF) * 1e3
+
+
 def profile_table(label: str, rows, costs: dict | None, hbm: float) -> None:
-    total = sum(t for _, t, _ in rows)
+    total = sum(t for _, t, _ in rows) or 1e-9
     log(f"  kernels of {label} (device time per call {total / 1e3:.3f} ms):")
     log("    | kernel | us | share | launches | GB/s | TFLOP/s | roofline frac | bound by |")
     log("    |---|---:|---:|---:|---:|---:|---:|---|")
@@ -265,6 +313,9 @@ def run(fck, shapes, modes, do_profile: bool, dump_path: str | None = None) -> l
                         json.dump(fla_tuned_dump(), fh, default=str)
             k3t, flt = times.get("k3"), times.get("fla")
             ratio = flt / k3t if k3t and flt else None
+            floor = op_floor_ms(T, H, mode, hbm)
+            log(f"  {shape} {mode} floor (inputs and outputs once, {BF16_ROOF / 1e12:.0f} TFLOP/s): {floor:.3f} ms; "
+                + ", ".join(f"{i} at {floor / t:.2f} of it" for i, t in times.items()))
             res = dict(shape=shape, mode=mode, k3=k3t, fla=flt, ratio=ratio, target=TARGET[mode])
             results.append(res)
             if ratio is not None:
@@ -302,6 +353,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--fla-tuned", default=None, help="JSON of fla's autotuned configs from an earlier run")
     ap.add_argument("--fla-dump", default=None, help="write fla's autotuned configs here (after every fla call)")
+    ap.add_argument("--fla-precompile", type=int, default=0,
+                    help="compile fla's autotune candidates in this many parallel processes first (fla_precompile)")
+    ap.add_argument("--fla-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         log("bench/kda_profile.py needs a CUDA GPU")
@@ -313,9 +367,15 @@ def main(argv=None) -> int:
             from fla.ops.kda import chunk_kda as fck
         except Exception as e:  # noqa: BLE001 - the baseline is optional
             log(f"fla unavailable: {e!r}")
+    shapes, modes = args.shapes.split(","), args.modes.split(",")
+    if args.fla_worker:
+        fla_worker(args.fla_worker, shapes, modes, fck)
+        return 0
     if fck is not None and args.fla_tuned:
         log(f"fla: {fla_tuned_load(args.fla_tuned)} tuned configurations replayed from {args.fla_tuned}")
-    run(fck, args.shapes.split(","), args.modes.split(","), args.profile, args.fla_dump)
+    if fck is not None and args.fla_precompile > 1:
+        fla_precompile(shapes, modes, args.fla_precompile)
+    run(fck, shapes, modes, args.profile, args.fla_dump)
     if fck is not None:
         log("FLA_TUNED_JSON " + json.dumps(fla_tuned_dump(), separators=(",", ":"), default=str))
     return 0
