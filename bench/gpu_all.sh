@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla kdafwd shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla kdaprof shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -28,8 +28,9 @@ for s in $sections; do
           --doc-mean 1500
         python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --accum 8; } 2>&1 | quiet > "$OUT/train.txt"
       grep -E "^\|" "$OUT/train.txt" ;;
-    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (STEP_ARGS: more bench/train.py flags, e.g. --ce torch,triton for an A/B)
-      python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens 65536 --accum ${STEP_ACCUM:-8} \
+    step)  # the headline: k3-small's recipe step (8 micro-batches of 8 x 8,192 tokens) (STEP_ARGS: more bench/train.py flags, e.g. --ce torch,triton for an A/B;
+      # STEP_TOKENS / STEP_ACCUM: an 80 GB H100 needs STEP_TOKENS=32768 STEP_ACCUM=2, the 8 x 64K step takes 84 GB)
+      python bench/train.py --seq-lens 8192 --steps 3 --backends triton --compile --tokens ${STEP_TOKENS:-65536} --accum ${STEP_ACCUM:-8} \
         ${STEP_ARGS:-} 2>&1 | quiet > "$OUT/step.txt"
       grep -E "^\||^# T" "$OUT/step.txt" ;;
     serve)
@@ -55,11 +56,12 @@ for s in $sections; do
       PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --quick --sections train 2>&1 | quiet > "$OUT/kdafla.txt"
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
       grep -E "^\||autotuning|finished after" "$OUT/kdafla.txt" | head -40 ;;
-    kdafwd)  # inference forward: k3's Gluon one-pass kernel vs k3's Triton kernels vs fla (fla last: its autotune)
+    kdaprof)  # issue #31's shapes, k3 vs fla in one process: times, targets, per-kernel profile with roofline fractions
+      # (bench/kda_profile.py; KDA_FLA_TUNED: fla's autotuned configs of an earlier run, skips its minutes of warm-up)
       site=/tmp/fla_site; pip install -q --no-deps --target $site .whl/*.whl >/dev/null 2>&1
-      export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${KDA_TUNE_DIR:-/tmp/kda_tune}
-      PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda.py --sections fwd 2>&1 | quiet > "$OUT/kdafwd.txt"
-      grep -E "^\||speed-up" "$OUT/kdafwd.txt" ;;
+      PYTHONPATH=$PWD:$site timeout ${KDAFLA_S:-420} python bench/kda_profile.py --profile \
+        ${KDA_FLA_TUNED:+--fla-tuned $KDA_FLA_TUNED} 2>&1 | quiet > "$OUT/kdaprof.txt"
+      grep -E "^\||^  ->|^    \|" "$OUT/kdaprof.txt" ;;
     shortconv)  # short conv + SiLU kernels vs the transpose + cuDNN depthwise conv path, x in
       # the model's layout (a slice of the 4232-wide fused projection), with the tile sweep; then contiguous x
       { python bench/short_conv.py --sweep --tokens 65536 --row-width 4232
@@ -174,7 +176,7 @@ for s in $sections; do
       for f in /tmp/balance/balance.* /tmp/balance/*/metrics.jsonl; do  # not the checkpoints
         mkdir -p "$OUT/$(dirname ${f#/tmp/})"; cp "$f" "$OUT/${f#/tmp/}"; done
       grep -E "^\||Error|error" "$OUT/balance.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, kdafwd, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, kdaprof, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

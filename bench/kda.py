@@ -11,10 +11,10 @@ Sections (default: all, in this order):
            in-kernel gate (A_log = dt_bias = 0, lower_bound -5), qk-l2norm, beta-sigmoid, final state,
            inference mode
   long     B4: B = 1, H in {16, 24}, T up to 256K, prefill configuration
-  fwd      inference forward, k3's Gluon one-pass kernel vs k3's Triton kernels vs fla (--fwd-impls):
-           B1 T8192 H96 D128 and k3-small's micro-batch (T65536 H8, 8 packed docs of 8192), pre-gated
-           g = logsigmoid(randn) with the declared bound -5, qk-l2norm in kernel; plus the prefill
-           configuration (in-kernel gate, beta sigmoid, final state) at H96 T8192
+  issue31  issue #31's acceptance table (bench/kda_profile.py): B1 T8192 H96 D128 and k3-small's micro-batch
+           (T65536 H8, 8 packed docs of 8192); training forward, no-grad forward, forward + backward
+           (pre-gated, bound -5, qk-l2norm in kernel) and prefill (in-kernel gate, inference mode), k3 vs fla
+  profile  the same with the per-kernel device times and roofline fractions (bench/kda_profile.py --profile)
 fla's first call autotunes its kernels: on the H200 image (Triton 3.6) the B2 primary shape did not
 finish warming within 4 minutes, so give each section its own process / call when time is limited
 (k3's rows are printed as soon as they are measured).
@@ -339,59 +339,6 @@ def sec_long(fck, Ts, heads):
             _prefill_row("long", f"H{H} T{T // 1024}K", [T], H, fck)
 
 
-FWD_SHAPES = [("B1 T8192 H96 D128", [8192], 96), ("k3-small B1 T65536 H8 D128, 8 docs", [8192] * 8, 8)]
-
-
-def sec_fwd(fck, impls):
-    """Inference-mode forward times of each implementation in `impls` (gluon / triton / fla) per shape."""
-    from k3.ops.kda.chunk import chunk_kda
-
-    log("== inference forward: k3 Gluon vs k3 Triton vs fla (bound -5, qk-l2norm in kernel)")
-    for cfg, lengths, H in FWD_SHAPES:
-        for prefill in (False, True):
-            if prefill and len(lengths) > 1:
-                continue
-            torch.manual_seed(0)
-            q, k, v, f, beta, A_log, dt_bias, cu = _prefill_inputs(lengths, H)
-            kw = dict(lower_bound=-5.0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-            if prefill:
-                kw.update(A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, output_final_state=True)
-                g = f
-            else:
-                g = F.logsigmoid(f.float()).to(torch.bfloat16)
-                beta = torch.sigmoid(beta.float()).to(torch.bfloat16)
-            fns = {"gluon": lambda: chunk_kda(q, k, v, g, beta, fwd_impl="gluon", **kw),
-                   "triton": lambda: chunk_kda(q, k, v, g, beta, fwd_impl="triton", **kw)}
-            if fck is not None:
-                extra = dict(use_gate_in_kernel=True) if prefill else {}
-                fns["fla"] = lambda: fck(q, k, v, g, beta, safe_gate=True, **extra, **kw)
-            times = {}
-            name = cfg + (" prefill (gate, sigmoid, final state)" if prefill else "")
-            with torch.inference_mode():
-                ref = None
-                for impl in impls:
-                    if impl not in fns:
-                        continue
-                    try:
-                        t0 = time.time()
-                        out = fns[impl]()
-                        torch.cuda.synchronize()
-                        if ref is None:
-                            ref = out[0].float()
-                        diff = rel_err(out[0].float(), ref)
-                        times[impl] = bench(fns[impl])
-                        log(f"  {impl:6s} {name}: {times[impl]:.3f} ms (first call {time.time() - t0:.1f} s; "
-                            f"rel. diff to {impls[0]} {diff:.2e})")
-                    except Exception as e:  # noqa: BLE001 - report and go on with the others
-                        log(f"  {impl:6s} {name}: {type(e).__name__}: {str(e)[:300]}")
-            if "gluon" in times and "triton" in times:
-                log(f"  -> gluon / triton speed-up x{times['triton'] / times['gluon']:.2f}" +
-                    (f", gluon / fla x{times['fla'] / times['gluon']:.2f}" if "fla" in times else ""))
-            add_row("fwd", name + " gluon", times.get("gluon"), times.get("fla"))
-            add_row("fwd", name + " triton", times.get("triton"), times.get("fla"))
-            torch.cuda.empty_cache()
-
-
 def sec_decode(frk, copy_bw, Bs, heads):
     from k3.ops.kda.recurrent import fused_recurrent_kda
 
@@ -437,7 +384,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-heads", default="96,24")
     ap.add_argument("--precision-variant", action="store_true", help="also check k3 with tf32x3 solve / A-P dots")
     ap.add_argument("--variants", action="store_true", help="also time the state scans' value blocks 16 and 64")
-    ap.add_argument("--fwd-impls", default="gluon,triton,fla", help="section fwd: implementations, in order")
+    ap.add_argument("--fla-tuned", default=None, help="issue31 / profile: fla's autotuned configs of an earlier run "
+                    "(bench/kda_profile.py)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -473,8 +421,14 @@ def main(argv=None) -> int:
         sec_prefill(fck, ints(args.prefill_heads))
     if "long" in secs:
         sec_long(fck, ints(args.long_T), ints(args.long_heads))
-    if "fwd" in secs:
-        sec_fwd(fck, args.fwd_impls.split(","))
+    if "issue31" in secs or "profile" in secs:
+        from bench import kda_profile
+
+        if fck is not None and args.fla_tuned:
+            log(f"fla: {kda_profile.fla_tuned_load(args.fla_tuned)} tuned configurations replayed")
+        res = kda_profile.run(fck, list(kda_profile.SHAPES), ["fwd", "fwdbwd", "prefill", "nograd"], "profile" in secs)
+        for r in res:
+            add_row("issue31", f"{r['shape']} {r['mode']}", r["k3"], r["fla"], note=f"target {r['target']}x")
     md = table()
     log(f"\n{header}\n\n{md}\n\n(total {time.time() - t0:.0f} s)")
     if args.out:

@@ -17,12 +17,6 @@ built (`K3Config.kernels`, `K3ForCausalLM(config, kernels=...)`), never read fro
 "triton" fuse the elementwise work around Newton-Schulz into Triton kernels where Triton runs,
 "torch" keeps the torch ops.
 
-`kda_fwd` picks the chunked KDA forward among the GPU kernels (`k3.ops.kda.chunk.chunk_kda(fwd_impl=...)`):
-"auto" and "triton" run the Triton kernels (the faster forward as measured, docs/kda_kernels.md);
-"gluon" runs the one-pass Gluon kernel (`k3.ops.kda.gluon_fwd`) for inference on sm_90 with Triton
-3.6's Gluon (bf16 / fp16, K in {64, 128}, V in {32, 64, 128}), ValueError where it cannot run. Its
-values are KDA_FWD_CHOICES, not CHOICES.
-
 Program tiles are not configured here: each kernel module keeps its tuned tile as a constant
 beside the kernel (one measured winner each).
 
@@ -36,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 CHOICES = ("auto", "triton", "torch")
-KDA_FWD_CHOICES = ("auto", "gluon", "triton")
 
 
 @dataclass(frozen=True)
@@ -51,14 +44,12 @@ class KernelConfig:
     cross_entropy: str = "auto"  # chunked lm_head + cross-entropy without logits: k3.ops.cross_entropy
     mla_kv: str = "auto"  # MLA keys / values from kv_b_proj's output: k3.ops.mla_kv
     muon: str = "auto"  # the optimizer's fused elementwise step: k3.optim.muon_kernels
-    kda_fwd: str = "auto"  # chunked KDA forward: Gluon one-pass (sm_90) or Triton (KDA_FWD_CHOICES)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            choices = KDA_FWD_CHOICES if f.name == "kda_fwd" else CHOICES
-            if value not in choices:
-                raise ValueError(f"kernels.{f.name}={value!r}: must be one of {', '.join(choices)}")
+            if value not in CHOICES:
+                raise ValueError(f"kernels.{f.name}={value!r}: must be one of {', '.join(CHOICES)}")
 
     def to_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -85,7 +76,6 @@ class KernelConfig:
 
 
 DEFAULT = KernelConfig()
-TORCH = KernelConfig(**{f.name: "torch" for f in dataclasses.fields(KernelConfig) if f.name != "kda_fwd"},
-                     kda_fwd="triton")  # e.g. benchmarks' baselines
+TORCH = KernelConfig(**{f.name: "torch" for f in dataclasses.fields(KernelConfig)})  # e.g. benchmarks' baselines
 
-__all__ = ["CHOICES", "DEFAULT", "KDA_FWD_CHOICES", "TORCH", "KernelConfig"]
+__all__ = ["CHOICES", "DEFAULT", "TORCH", "KernelConfig"]

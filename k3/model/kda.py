@@ -219,7 +219,6 @@ class KDAttention(nn.Module):
                 cu_seqlens=layout.cu_seqlens, cu_seqlens_cpu=layout.cu_seqlens_cpu, A_log=self.A_log,
                 dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                 use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, backend=self.kda_backend,
-                fwd_impl=self.kernels.config.kda_fwd,
             )
         if cache is not None:
             cache.kda_state[self.layer_idx] = final.float()

@@ -144,7 +144,7 @@ def test_half_precision_all_grads(dtype):
 def test_split_bwd_key_chunks(bk, monkeypatch):
     # split backward with K spanning several key chunks (L2 projection of dk in the finish
     # kernel), fp16 with the in-kernel gate and sigmoid beta
-    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.TILES", (bk, 4))
+    monkeypatch.setattr("k3.ops.kda.bwd_intra.TILES", (bk, 4))
     x = _inputs(1, 70, 1, 64, 32, torch.float16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
@@ -153,15 +153,15 @@ def test_split_bwd_key_chunks(bk, monkeypatch):
 def test_split_bwd_loop_variants(stages, unroll, monkeypatch):
     # the key kernel's A/P loop: column results in their own scratch (no barriers in the loop),
     # software-pipelined or unrolled; same results
-    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.AP_STAGES", stages)
-    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.AP_UNROLL", unroll)
+    monkeypatch.setattr("k3.ops.kda.bwd_intra.AP_STAGES", stages)
+    monkeypatch.setattr("k3.ops.kda.bwd_intra.AP_UNROLL", unroll)
     x = _inputs(2, 70, 1, 64, 32, torch.bfloat16, gate=True, l2=True, bsig=True)
     _check_all(x, gate=True, l2=True, bsig=True)
 
 
 def test_split_bwd_rejects_narrow_tf32_wgmma(monkeypatch):
     # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
-    monkeypatch.setattr("k3.ops.kda.triton_bwd_split.TILES", (16, 8))
+    monkeypatch.setattr("k3.ops.kda.bwd_intra.TILES", (16, 8))
     x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
     o, _ = _run_triton(x, gate=False, l2=False, bsig=False)
     with pytest.raises(ValueError, match="BK >= 4"):
@@ -190,7 +190,7 @@ def test_lower_bound_other_values():
 
 
 def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inference=True):
-    """Every intermediate of the forward with split tiles `new` against tiles `base` ((BK, warps, NS)) on
+    """Every intermediate of the forward with split tiles `new` against tiles `base` ((BK, warps)) on
     varlen input with an empty sequence and partial chunks; training (T stored) and, with
     `inference`, the no-grad pass, whose output and final state must equal training's bit for bit."""
     from k3.ops.kda.chunk import _fwd, chunk_meta
@@ -202,7 +202,7 @@ def _compare_fwd_intra(base, new, dtype, K, V, flags, tol, monkeypatch, inferenc
     meta = chunk_meta(1, 100, cu, x["q"].device)
     out = {}
     for ver in (base, new):
-        monkeypatch.setattr("k3.ops.kda.triton_fwd_split.TILES", ver)
+        monkeypatch.setattr("k3.ops.kda.fwd_intra.TILES", ver)
         o, ht, saved = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=True)
         if inference:
             o_inf, ht_inf, _ = _fwd(*args, meta, K ** -0.5, -5.0, l2, bsig, True, training=False)
@@ -218,24 +218,23 @@ FLAGS = [(g, l, b) for g in (False, True) for l in (False, True) for b in (False
 
 
 @pytest.mark.parametrize(
-    "dtype,K,V,bk,ns,flags",
-    [(torch.float32, 128, 16, 32, 1, (True, True, True)), (torch.bfloat16, 16, 128, 16, 1, (True, True, True)),
-     (torch.float32, 128, 16, 16, 3, (False, True, False))]
-    + [(torch.bfloat16, 32, 16, 16, 1 + (i % 2), f) for i, f in enumerate(FLAGS)],
+    "dtype,K,V,bk,flags",
+    [(torch.float32, 128, 16, 32, (True, True, True)), (torch.bfloat16, 16, 128, 16, (True, True, True)),
+     (torch.float32, 128, 16, 16, (False, True, False))]
+    + [(torch.bfloat16, 32, 16, 16, f) for f in FLAGS],
 )
-def test_fwd_intra_split_tiles(dtype, K, V, bk, ns, flags, monkeypatch):
-    # The split forward intra kernels with K over several key chunks (BK 16 / 32) and NS 1-3 (W / U column
-    # blocks spread over programs) against one key chunk of 64 (the default tiles are checked against
-    # float64 by every test above), every gate / L2 / sigmoid-beta combination (small K, V and training
+def test_fwd_intra_split_tiles(dtype, K, V, bk, flags, monkeypatch):
+    # The split forward intra kernels with K over several key chunks (BK 16 / 32) against one key chunk
+    # of 64 (the default tiles are checked against float64 by every test above), every gate / L2 / sigmoid-beta combination (small K, V and training
     # only there: CI time).  Same arithmetic except the order of the L2 sums (per key chunk): fp32 within
     # 1e-6, bf16 4e-3 (one bf16 rounding step where a reduction order flips a rounding).
     tol = 1e-6 if dtype == torch.float32 else 4e-3
-    _compare_fwd_intra((64, 4, 1), (bk, 4, ns), dtype, K, V, flags, tol, monkeypatch, inference=K != 32)
+    _compare_fwd_intra((64, 4), (bk, 4), dtype, K, V, flags, tol, monkeypatch, inference=K != 32)
 
 
 def test_split_fwd_rejects_narrow_tf32_wgmma(monkeypatch):
     # BK 16 with 8 warps would give tf32 wgmma with N = 8 per warpgroup (Triton 3.6 fault)
-    monkeypatch.setattr("k3.ops.kda.triton_fwd_split.TILES", (16, 8, 1))
+    monkeypatch.setattr("k3.ops.kda.fwd_intra.TILES", (16, 8))
     x = _inputs(1, 20, 1, 32, 16, torch.float32, gate=False, l2=False, bsig=False)
     with pytest.raises(ValueError, match="BK >= 4"):
         _run_triton(x, gate=False, l2=False, bsig=False)

@@ -44,7 +44,6 @@ def kda(
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     backend: str = "auto",
-    fwd_impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked/recurrent KDA with fla's layout.
 
@@ -62,8 +61,6 @@ def kda(
         cu_seqlens_cpu: optional host copy of cu_seqlens (CPU tensor, same values): spares the
             device-to-host reads of the offsets (checks, chunk bookkeeping) that stall the GPU queue.
         backend: "auto" | "reference" | "torch" | "triton".
-        fwd_impl: the "triton" backend's inference forward, "auto" | "gluon" | "triton"
-            (`k3.kernel_config.KernelConfig.kda_fwd`; chunk.py `_use_gluon`).
     Returns:
         o: [B, T, H, V] in v's dtype; final_state [N, H, K, V] fp32 (None unless requested).
     """
@@ -89,7 +86,7 @@ def kda(
             q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
             dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, fwd_impl=fwd_impl,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         )
     # Unfused backends: apply the optional prologue in PyTorch, then run the core.
     if gate_fused:

@@ -21,10 +21,9 @@ throughout.  The factorised exponentials need fp32 range, so fp16 inputs are saf
 (W, U, qg, kg, P, per-chunk states, Vn, dR) are stored in the input dtype, which bounds bf16
 accuracy to ~0.3 % relative (fla's level).
 
-Kernels.  Inference forward on sm_90: the one-pass Gluon kernel (gluon_fwd) when `fwd_impl` is "gluon"
-(see `_use_gluon`).  Otherwise, forward: the split intra-chunk kernels (triton_fwd_split: keys / A-P / finish launches of
-small programs), then the sequential state scan (triton_fwd._kda_fwd_state).  Backward: the state
-scan (triton_bwd._kda_bwd_state), then the split intra-chunk kernels (triton_bwd_split: values /
+Kernels.  Forward: the split intra-chunk kernels (fwd_intra: keys / A-P / finish launches of
+small programs), then the sequential state scan (fwd_state._kda_fwd_state).  Backward: the state
+scan (bwd_state._kda_bwd_state), then the split intra-chunk kernels (bwd_intra: values /
 keys / finish).  Their tiles are constants beside the kernels; the measurements behind them are in
 docs/kda_kernels.md and docs/dev_log.md.
 
@@ -40,12 +39,10 @@ import triton
 
 from k3.ops import to_device_async
 from k3.ops.backend import triton_runs_on
-from k3.kernel_config import KDA_FWD_CHOICES
-from k3.ops.kda import gluon_fwd
-from k3.ops.kda.triton_bwd import _kda_bwd_state
-from k3.ops.kda.triton_bwd_split import kda_bwd_intra_split
-from k3.ops.kda.triton_fwd import _kda_fwd_state
-from k3.ops.kda.triton_fwd_split import kda_fwd_intra_split
+from k3.ops.kda.bwd_state import _kda_bwd_state
+from k3.ops.kda.bwd_intra import kda_bwd_intra
+from k3.ops.kda.fwd_state import _kda_fwd_state
+from k3.ops.kda.fwd_intra import kda_fwd_intra
 from k3.ops.kda.validate import check_kda_shapes, host_offsets
 
 __all__ = ["chunk_kda", "ChunkKDAFunction", "chunk_meta"]
@@ -169,10 +166,10 @@ def _fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, meta: ChunkMeta, scale
     lb = float(lower_bound)  # _validate guarantees a bound in [-5, 0)
     dummy = GL
     if NC > 0:
-        # triton_fwd_split: Tm is the A / inverse scratch even without training (tiles: split_tiles)
+        # fwd_intra: Tm is the A / inverse scratch even without training (tiles: split_tiles)
         if not training:
             Tm = torch.empty(NC, H, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        kda_fwd_intra_split(
+        kda_fwd_intra(
             q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale,
             lb, l2, bsig, training, ap, tp,
         )
@@ -221,7 +218,7 @@ def _bwd(q, k, v, g, beta, A_log, dt_bias, o, meta: ChunkMeta, scale, lower_boun
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
     if NC > 0:
-        dA_log, ddt = kda_bwd_intra_split(
+        dA_log, ddt = kda_bwd_intra(
             q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta, meta, scale,
             lb, l2, bsig, apb, sp)
         if gate:
@@ -261,24 +258,6 @@ class ChunkKDAFunction(torch.autograd.Function):
         if dh0 is not None:
             dh0 = dh0.to(h0.dtype)
         return dq, dk, dv, dg, dbeta, dA_log, ddt, dh0, None, None, None, None, None, None
-
-
-def _use_gluon(fwd_impl: str, q: torch.Tensor, v: torch.Tensor, needs_grad: bool) -> bool:
-    """Whether this call's forward runs the one-pass Gluon kernel (k3.kernel_config.KernelConfig.kda_fwd).
-
-    "auto" and "triton": never -- the Triton forward is the faster one as measured (docs/kda_kernels.md);
-    "gluon": on sm_90 with Triton 3.6's Gluon, bf16 / fp16, supported head dims, no gradient needed (the
-    backward reads intermediates only the Triton forward keeps), else ValueError."""
-    if fwd_impl not in KDA_FWD_CHOICES:
-        raise ValueError(f"fwd_impl must be one of {KDA_FWD_CHOICES}, got {fwd_impl!r}")
-    if fwd_impl != "gluon":
-        return False
-    ok = not needs_grad and gluon_fwd.supported(q, v)
-    if not ok:
-        why = ("gradients need the Triton forward's intermediates" if needs_grad else
-               f"needs sm_90, Triton 3.6 Gluon, bf16/fp16, K in {gluon_fwd.HEAD_DIMS_K}, V in {gluon_fwd.HEAD_DIMS_V}")
-        raise ValueError(f"fwd_impl='gluon' cannot run this call: {why}")
-    return ok
 
 
 def _validate(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, cu_seqlens_cpu):
@@ -329,7 +308,6 @@ def chunk_kda(
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
-    fwd_impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (chunk 64) with fused prologue; differentiable in every tensor input.
 
@@ -344,8 +322,6 @@ def chunk_kda(
         cu_seqlens_cpu: optional host copy of cu_seqlens (no device read-back when given).
         A_log: [H], dt_bias: [H * K] or [H, K]: in-kernel gate g = lb * sigmoid(exp(A_log) (f + dt_bias)).
         lower_bound: gate lower bound in [-5, 0) (required, see module docstring).
-        fwd_impl: "auto" | "gluon" | "triton": which inference forward runs (`_use_gluon`;
-            `k3.kernel_config.KernelConfig.kda_fwd`).
     Returns:
         o [B, T, H, V] in v's dtype; final state [N, H, K, V] fp32 if `output_final_state` else None.
     """
@@ -361,9 +337,6 @@ def chunk_kda(
     l2, bsig = bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel)
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if _use_gluon(fwd_impl, q, v, needs_grad):
-        return gluon_fwd.kda_fwd_gluon(q, k, v, g, beta, A_log, dt_bias, initial_state, meta.cu_seqlens, meta.N,
-                                       scale, lower_bound, l2, bsig, output_final_state)
     if needs_grad:
         out = ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, meta, scale,
                                      lower_bound, l2, bsig, output_final_state)

@@ -1,6 +1,6 @@
 """Chunked KDA forward kernels (Triton).
 
-A forward is the split intra-chunk kernels (triton_fwd_split), parallel over chunks and heads: prologue
+A forward is the split intra-chunk kernels (fwd_intra), parallel over chunks and heads: prologue
 (gate, L2 norm, sigmoid), within-chunk cumulative decay G, the intra-chunk matrices
     A[t,s] = beta_t sum_c k_tc k_sc exp(G_tc - G_sc)      (s < t)
     P[t,s] = scale sum_c q_tc k_sc exp(G_tc - G_sc)       (s <= t)

@@ -1,6 +1,6 @@
 """Chunked KDA backward kernels (Triton).
 
-Forward per chunk (triton_fwd):  Vn = U - W S,  O = qg S + P Vn,  S' = e^gl S + kg^T Vn,
+Forward per chunk (fwd_state):  Vn = U - W S,  O = qg S + P Vn,  S' = e^gl S + kg^T Vn,
 with U = T (beta v), W = T (beta k e^G), T = (I + A)^-1.  Since U - W S = T R with the residual
 R = beta v - Xw S (Xw = beta k e^G), the whole T / W / U branch reduces to dR = T^T dVn:
     dT = dVn R^T,  dA = -T^T dT T^T = -dR Vn^T,  d(beta v) = dR,  dXw = -dR S^T.
@@ -9,7 +9,7 @@ R = beta v - Xw S (Xw = beta k e^G), the whole T / W / U branch reduces to dR = 
         dVn = P^T dO + kg dS';   dR = T^T dVn;   dS = qg^T dO + e^gl dS' - W^T dVn
      stores dS' per chunk (DH), dR (DR, chunk-major) and dv = beta dR (from fp32), and the
      initial-state gradient.
-  2. the split intra-chunk kernels (triton_bwd_split), parallel, from the saved S, DH, Vn, DR:
+  2. the split intra-chunk kernels (bwd_intra), parallel, from the saved S, DH, Vn, DR:
      value pass: dP = dO Vn^T, dA = -dR Vn^T, beta's share sum_v dR v;  key pass (per key chunk):
      dqg = dO S^T, dkg = Vn dS'^T, dXw = -dR S^T, then dA / dP through the factorised 16-row
      blocks, dG (elementwise, then a reverse cumsum) and the prologue backward (gate, L2 norm,

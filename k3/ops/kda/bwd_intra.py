@@ -1,6 +1,6 @@
 """Split KDA backward intra-chunk kernels (Triton): small programs, 2-D dots only.
 
-Inputs: the saved per-chunk state S, its gradient DH, Vn, dR from `_kda_bwd_state` (triton_bwd.py);
+Inputs: the saved per-chunk state S, its gradient DH, Vn, dR from `_kda_bwd_state` (bwd_state.py);
 outputs dq, dk, dg, dbeta (and the gate-parameter sums).  Three launches:
 
   1. `_kda_bwd_values`, grid (chunks, H): dP = dO Vn^T (kept for t >= s) and dA = -dR Vn^T
@@ -320,7 +320,7 @@ def split_tiles(K: int) -> tuple[int, int]:
     return bk, warps
 
 
-def kda_bwd_intra_split(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta,
+def kda_bwd_intra(q, k, v, g, beta, A_log, dt_bias, Hs, DH, VN, DR, do, o, dq, dk, dg, dbeta,
                         meta, scale: float, lower_bound: float, l2: bool, bsig: bool, ap_prec: str,
                         s_prec: str):
     """Launch the three split kernels; fills dq, dk, dg, dbeta in place.

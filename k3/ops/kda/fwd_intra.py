@@ -7,7 +7,7 @@ are short and light, so that several share an SM and hide each other's latency (
 
   1. `_kda_fwd_keys`, grid (chunks * K/BK, H), key chunk fastest: for its BK columns the gate and
      the cumulative decay G -> GS [NC, H, 64, K] fp32 (for bf16 / fp16 inputs as G log2 e, see
-     triton_fwd_blocks._ex), gl -> GL.  Reads g only.
+     fwd_intra_blocks._ex), gl -> GL.  Reads g only.
   2. `_kda_fwd_ap`, grid (chunks * 4, H), row block fastest: row block i (rows 16 i .. 16 i + 15)
      of P and A over all key columns with the transposed row-block dots (reference
      mid_i = G[16 i + 7]):
@@ -17,18 +17,16 @@ are short and light, so that several share an SM and hide each other's latency (
      (with K/BK key-chunk programs those would be K/BK x 32 KB per (chunk, head), ~1.6 GB written
      and read at B1 T8192 H96 K128).  The L2 norms are summed from the same loads (whole rows of k,
      the rows of block i of q), so q and k need no separate norm pass.  Then: scale, mask, P rows
-     (input dtype), A rows (fp32, ABUF = the Tm tile unless NS > 1), ROWS [NC, H, 4, 64] fp32 =
+     (input dtype), A rows (fp32, in the Tm tile), ROWS [NC, H, 4, 64] fp32 =
      (1/||k||, scale/||q||, beta/||k||, beta) for the rows of block i, and qg = scale q e^G / ||q||,
      kg = k e^(gl - G) / ||k|| for the rows of block i (a second pass over the key chunks).
-  3. `_kda_fwd_finish`, grid (chunks * NS, H): the exact three-level UT inverse (`_ut_inverse`),
-     T^T into Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS) and U = T (beta v).  With NS > 1 the NS programs of a (chunk, head) each redo the
-     inverse (A then in its own buffer ABUF, a private 4 KB workspace INVW each) and take every
-     NS-th column block of W / U (W blocks first, then U).
+  3. `_kda_fwd_finish`, grid (chunks, H): the exact three-level UT inverse (`_ut_inverse`), T^T into
+     Tm when training, W = T (beta k e^G / ||k||) (Xw rebuilt from k, GS and ROWS) and U = T (beta v).
 
 Deterministic: every output element is written by exactly one program, every sum runs in a fixed
 order, no atomics.  Scratch (fp32): GS (W itself for fp32 inputs: the finish kernel reads a column
 block of G before it writes that block of W, in the same program), ROWS, Tm (also without
-training), with NS > 1 ABUF and INVW.
+training).
 
 Dot shapes (Triton 3.6 / sm_90): the keys kernel's cumulative-decay dots have N = BK, the row-block
 dots N = 32, the inverse N = 16 / 64 (finish kernel: always 4 warps), W / U N = BK / BV.  With w
@@ -50,7 +48,7 @@ from k3.ops.kda.triton_common import (
     _ld,
     _stc,
 )
-from k3.ops.kda.triton_fwd_blocks import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
+from k3.ops.kda.fwd_intra_blocks import _cumdecay_scr, _dotv, _exw, _rowblock, _ut_inverse
 
 
 @triton.jit
@@ -83,12 +81,12 @@ def _kda_fwd_keys(
 
 @triton.jit
 def _kda_fwd_ap(
-    q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu_seqlens, chunk_info, scale,
+    q, k, beta, P, QG, KG, Tm, GS, ROWS, cu_seqlens, chunk_info, scale,
     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2: tl.constexpr, BSIG: tl.constexpr,
     AP_PREC: tl.constexpr,
 ):
     """Rows 16 i .. 16 i + 15 (row block i) of: P [64, 64] (input dtype, causal incl. the diagonal),
-    the strictly lower A (fp32, ABUF tile, row stride 64), qg = scale q e^G / ||q|| and
+    the strictly lower A (fp32, the Tm tile, row stride 64), qg = scale q e^G / ||q|| and
     kg = k e^(gl - G) / ||k|| (QG, KG, input dtype), and ROWS [4, 64] fp32 = (1/||k||,
     scale/||q||, beta/||k||, beta) (norms 1 without L2, beta after the sigmoid, 0 past the end).
 
@@ -133,7 +131,7 @@ def _kda_fwd_ap(
     offs = tile * 4096 + t[None, :] * 64 + o_s[:, None]
     tl.store(P + offs, _cvt(tl.where(o_s[:, None] <= t[None, :], X, 0.0), P.dtype.element_ty),
              mask=(o32 < 16)[None, :])
-    tl.store(ABUF + offs, tl.where(o_s[:, None] < t[None, :], X, 0.0), mask=(o32 >= 16)[None, :])
+    tl.store(Tm + offs, tl.where(o_s[:, None] < t[None, :], X, 0.0), mask=(o32 >= 16)[None, :])
 
     # qg, kg of the rows of block i, every key column (the row scales go through ROWS: [16]
     # vectors in the tiles' row layout; this program's own stores, visible after the barrier)
@@ -158,65 +156,52 @@ def _kda_fwd_ap(
 
 @triton.jit
 def _kda_fwd_finish(
-    k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu_seqlens, chunk_info,
+    k, v, W, U, Tm, GS, ROWS, cu_seqlens, chunk_info,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NS: tl.constexpr, STORE_T: tl.constexpr, T_PREC: tl.constexpr,
+    STORE_T: tl.constexpr, T_PREC: tl.constexpr,
 ):
-    """T = (I + A)^-1 (T^T -> Tm when STORE_T), W = T Xw [64, K], U = T beta v [64, V]; program j of
-    the NS programs of a (chunk, head) writes the column blocks b (W blocks first, then U) with
-    b % NS == j.  NS == 1: ABUF is Tm (A read, then the workspace, then T^T)."""
-    i_c = tl.program_id(0) // NS
-    j = tl.program_id(0) % NS
+    """T = (I + A)^-1 (T^T -> Tm when STORE_T), W = T Xw [64, K], U = T beta v [64, V].  The Tm tile
+    holds A on entry, then serves as the inverse's workspace, then receives T^T."""
+    i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     row64, nr, tile = _chunk(cu_seqlens, chunk_info, i_c, i_h, H)
     o_t = tl.arange(0, 64)
     o_c = tl.arange(0, BK)
     ACC: tl.constexpr = k.dtype.element_ty == tl.float32
-    if NS == 1:
-        b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC)
-    else:
-        b_T = _ut_inverse(ABUF + tile * 4096, INVW + (tile * NS + j) * 1024, T_PREC)
+    b_T = _ut_inverse(Tm + tile * 4096, Tm + tile * 4096, T_PREC)
     if STORE_T:  # transposed: the backward needs T^T dVn
-        if NS == 1:
-            tl.debug_barrier()  # the inverse's workspace reads are done
-            tl.store(Tm + tile * 4096 + o_t[None, :] * 64 + o_t[:, None], b_T)
-        else:
-            if j == 0:  # T from every program is the same; one writes it
-                tl.store(Tm + tile * 4096 + o_t[None, :] * 64 + o_t[:, None], b_T)
+        tl.debug_barrier()  # the inverse's workspace reads are done
+        tl.store(Tm + tile * 4096 + o_t[None, :] * 64 + o_t[:, None], b_T)
     rows = ROWS + tile * 256
     rk = tl.load(rows + o_t)
     b_b = tl.load(rows + 192 + o_t)
     gs = GS + tile * (64 * K)
     for kc in tl.static_range(K // BK):
-        if kc % NS == j:
-            # Xw = beta k e^G / ||k|| (as v2 writes it), rebuilt from G in GS
-            b_kn = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
-            G = tl.load(gs + o_t[:, None] * K + kc * BK + o_c[None, :])
-            _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC), K, BK)
+        # Xw = beta k e^G / ||k||, rebuilt from G in GS
+        b_kn = _ld(k, row64, nr, kc * BK, H, K, BK).to(tl.float32) * rk[:, None]
+        G = tl.load(gs + o_t[:, None] * K + kc * BK + o_c[None, :])
+        _stc(W, tile, kc * BK, _dotv(b_T, b_kn * b_b[:, None] * _exw(G, ACC), T_PREC), K, BK)
     for vc in tl.static_range(V // BV):
-        if (K // BK + vc) % NS == j:
-            b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
-            _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC), V, BV)
+        b_v = _ld(v, row64, nr, vc * BV, H, V, BV).to(tl.float32)
+        _stc(U, tile, vc * BV, _dotv(b_T, b_v * b_b[:, None], T_PREC), V, BV)
 
 
-# (BK: key-chunk width, at most 64; warps of the keys / A-P kernels; NS: finish programs per chunk and
-# head), the fastest measured (docs/kda_kernels.md); tests set others.
-TILES = (32, 4, 1)
+# (BK: key-chunk width, at most 64; warps of the keys / A-P kernels), the fastest measured
+# (docs/kda_kernels.md); tests set others.
+TILES = (32, 4)
 
 
-def split_tiles(K: int) -> tuple[int, int, int]:
-    """(BK, warps, NS) for key dim K: TILES, BK capped at min(K, 64), read at call time."""
-    bk, warps, ns = TILES
+def split_tiles(K: int) -> tuple[int, int]:
+    """(BK, warps) for key dim K: TILES, BK capped at min(K, 64), read at call time."""
+    bk, warps = TILES
     bk = min(K, 64, bk)
     if bk < 4 * warps:
         raise ValueError(f"split forward: BK {bk} with {warps} warps gives tf32 wgmma N < 16 per "
                          "warpgroup (Triton 3.6 mis-pads N = 8, triton-lang/triton#10629); use BK >= 4 * warps")
-    if ns < 1:
-        raise ValueError(f"split forward: NS must be >= 1, got {ns}")
-    return bk, warps, ns
+    return bk, warps
 
 
-def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale: float,
+def kda_fwd_intra(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, Tm, meta, scale: float,
                         lower_bound: float, l2: bool, bsig: bool, store_t: bool, ap_prec: str,
                         t_prec: str):
     """Launch the three split kernels; fills W, U, P, QG, KG, GL and Tm (fp32 [NC, H, 64, 64], T^T
@@ -224,21 +209,15 @@ def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, T
     chunk_kda receives them (contiguous); W, QG, KG [NC, H, 64, K], U [NC, H, 64, V], P [NC, H, 64,
     64] in the input dtype, GL [NC, H, K] fp32.
 
-    Scratch (fp32): ROWS [NC, H, 4, 64]; GS [NC, H, 64, K] (W itself for fp32 inputs); with
-    NS > 1 also ABUF [NC, H, 64, 64] and INVW [NC, H, NS, 64, 16]."""
+    Scratch (fp32): ROWS [NC, H, 4, 64]; GS [NC, H, 64, K] (W itself for fp32 inputs)."""
     H, K = q.shape[-2:]
     V = v.shape[-1]
     NC, dev = meta.NC, q.device
     gate = A_log is not None
-    bk, warps, ns = split_tiles(K)
+    bk, warps = split_tiles(K)
     f32 = {"device": dev, "dtype": torch.float32}
     ROWS = torch.empty(NC, H, 4, 64, **f32)
     GS = W if q.dtype == torch.float32 else torch.empty(NC, H, 64, K, **f32)
-    if ns > 1:
-        ABUF = torch.empty(NC, H, 64, 64, **f32)
-        INVW = torch.empty(NC, H, ns, 64, 16, **f32)
-    else:
-        ABUF = INVW = Tm
     cu, ci = meta.cu_seqlens, meta.chunk_info
     _kda_fwd_keys[(NC * (K // bk), H)](
         g, A_log if gate else ROWS, dt_bias if gate else ROWS, GL, GS, cu, ci, lower_bound,
@@ -246,10 +225,10 @@ def kda_fwd_intra_split(q, k, v, g, beta, A_log, dt_bias, W, U, P, QG, KG, GL, T
         num_warps=warps, num_stages=1,
     )
     _kda_fwd_ap[(NC * 4, H)](
-        q, k, beta, P, QG, KG, ABUF, GS, ROWS, cu, ci, scale, H=H, K=K, BK=bk, L2=l2, BSIG=bsig,
+        q, k, beta, P, QG, KG, Tm, GS, ROWS, cu, ci, scale, H=H, K=K, BK=bk, L2=l2, BSIG=bsig,
         AP_PREC=ap_prec, num_warps=warps, num_stages=1,
     )
-    _kda_fwd_finish[(NC * ns, H)](
-        k, v, W, U, Tm, ABUF, INVW, GS, ROWS, cu, ci, H=H, K=K, V=V, BK=bk, BV=min(V, 64), NS=ns,
+    _kda_fwd_finish[(NC, H)](
+        k, v, W, U, Tm, GS, ROWS, cu, ci, H=H, K=K, V=V, BK=bk, BV=min(V, 64),
         STORE_T=store_t, T_PREC=t_prec, num_warps=4, num_stages=1,
     )

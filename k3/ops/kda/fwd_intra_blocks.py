@@ -1,4 +1,4 @@
-"""Triton building blocks of the split KDA forward intra-chunk kernels (triton_fwd_split): 2-D dots only.
+"""Triton building blocks of the split KDA forward intra-chunk kernels (fwd_intra): 2-D dots only.
 
 * A and P by ROW block i (t in [16 i, 16 i + 16)), computed transposed (`_rowblock`).  Reference
   mid_i = G[16 i + 7] per channel:  exp(G_t - G_s) = exp(G_t - mid_i) * exp(mid_i - G_s), so
