@@ -19,8 +19,9 @@ run the same code eagerly: d_j ~ q_j = `target_probs(draft logits, params)` (the
 top-k / top-p applied to the draft) with the request's rng, returned with q, so `accept_draft` applies
 min(1, p/q) and the residual max(0, p - q): the output distribution is the target's whatever the draft.
 
-Positions the draft has no features for (a prefix-cache hit, recomputation after preemption) are
-skipped or start the request's draft context afresh; the cache keeps a window of the last `window`
+Positions the draft has no features for (a prefix-cache hit, recomputation after preemption, steps the
+engine's batch-size policy ran without speculation: `k3.serve.spec_policy`) are skipped or start the
+request's draft context afresh; the cache keeps a window of the last `window`
 positions (a ring; the draft attends to about that many). Only the acceptance rate can suffer from
 either, never the output.
 """
@@ -50,7 +51,7 @@ class DraftSeq:
 
     @property
     def num_pending(self) -> int:
-        return sum(x.shape[0] for x in self.pending)
+        return self.next_pos - self.pending_start if self.pending else 0
 
 
 class DraftKV:
@@ -142,6 +143,9 @@ class DraftProposer:
             s.pending_start = start
         s.pending.append(aux.detach())
         s.next_pos = start + aux.shape[0]
+        if s.num_pending > 2 * self.kv.window:  # not drafted for long (grammar, penalties): keep the newest
+            keep = torch.cat(s.pending)[-self.kv.window:]  # window (the ring would overwrite the rest); bounded memory
+            s.pending, s.pending_start = [keep], s.next_pos - keep.shape[0]
 
     # ---- drafting ---------------------------------------------------------------------------------------
     @torch.inference_mode()
