@@ -347,7 +347,8 @@ class Engine:
         plan = self.scheduler.schedule()
         touched: list[Request] = []
         decode = plan.decode
-        self.speculating = self.spec is not None and self.spec_policy.speculate(len(decode))
+        joining = sum(1 for r, n in plan.prefill if n >= r.pending - 1)  # prompt done: they decode next step
+        self.speculating = self.spec is not None and self.spec_policy.speculate(len(decode) + joining)
         if self.spec is not None and decode and not self.speculating:
             self.metrics.spec_policy_plain_steps += 1
         if plan.prefill:

@@ -7,11 +7,13 @@ batch the forward is bound by compute (and, in an MoE, every expert is read anyw
 costs close to (k + 1) plain steps, and speculation loses: measured on an H100 with k3-tiny, 1.8-2.0x
 at batch 1 and 0.90-0.95x at batch 8 (docs/draft.md, "Speculation policy").
 
-So the engine speculates in a step only while the step has at most `max_batch` decoding requests
-(`EngineConfig.speculative_max_batch`; vLLM's `disable_by_batch_size`, the same idea). The decision is
-per step and depends only on the number of decoding requests, never on timings: the same requests in
-the same order take the same path in every run. Greedy outputs do not depend on it (speculation is
-exact), so the policy may switch on and off inside a request's generation.
+So the engine speculates in a step only while at most `max_batch` requests decode
+(`EngineConfig.speculative_max_batch`; vLLM's `disable_by_batch_size`, the same idea), counting the
+step's decoding requests and those whose prompt completes in the step (they decode from the next step
+on: a batch of 32 new requests never captures draft features in its prefill). The decision is per step
+and depends only on these counts, never on timings: the same requests in the same order take the same
+path in every run. Greedy outputs do not depend on it (speculation is exact), so the policy may switch
+on and off inside a request's generation.
 
 While a step runs without speculation the engine hands the proposer no features (no host work per
 request, nothing to keep); when speculation resumes, a request drafts from its next plain step on,

@@ -57,12 +57,18 @@ class _NgramOracle:
 def _staggered(eng: Engine, prompts: list[list[int]], sp: list[SamplingParams], join_at: int
                ) -> tuple[list[list[int]], list[tuple[int, bool]]]:
     """Request 0 starts alone; the others join after `join_at` steps. Returns every request's output ids
-    and per step (decoding requests, whether it speculated)."""
+    and per step (requests decoding now or from the next step on, whether it speculated)."""
     ids = [eng.add_request(prompts[0], sp[0])]
     out: dict[str, list[int]] = {ids[0]: []}
-    plans = []
+    counts = []  # per step: decoding requests + those whose prompt completes in the step
     own_schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda: plans.append(own_schedule()) or plans[-1]
+
+    def schedule():
+        plan = own_schedule()
+        counts.append(len(plan.decode) + sum(n >= r.pending - 1 for r, n in plan.prefill))
+        return plan
+
+    eng.scheduler.schedule = schedule
     trace = []
     while eng.has_unfinished():
         if len(trace) == join_at:
@@ -71,7 +77,7 @@ def _staggered(eng: Engine, prompts: list[list[int]], sp: list[SamplingParams], 
                 out[ids[-1]] = []
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
-        trace.append((len(plans[-1].decode), eng.speculating))
+        trace.append((counts[-1], eng.speculating))
     return [out[i] for i in ids], trace
 
 
