@@ -129,6 +129,7 @@ def train_target(a: argparse.Namespace, data: torch.Tensor) -> K3ForCausalLM:
         if spent > a.target_seconds:
             break
     del opt
+    model.zero_grad(set_to_none=True)
     model = model.to_dtype(a.dtype).eval()
     if a.device == "cuda":
         torch.cuda.empty_cache()
