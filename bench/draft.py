@@ -18,6 +18,7 @@ the greedy draft chain is one graph per row bucket (`k3.serve.draft_spec`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -229,6 +230,10 @@ def measure(a: argparse.Namespace, target, draft, modes: list[str], make_prompts
                          ngram=a.spec_tokens if base == "ngram" else 0, batch=batch,
                          max_batch=0 if mode.endswith("-all") else None)
             row, outs = run_row(a, eng, batch, ps)
+            del eng  # its cache pool and graphs (the engine holds reference cycles: collect now)
+            gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
             ref = outs if ref is None else ref
             same = sum(o == r for o, r in zip(outs, ref))
             row |= {"mode": mode, "preset": a.checkpoint or a.preset, "device": a.device, "k": a.spec_tokens,

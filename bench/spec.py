@@ -23,6 +23,7 @@ and the draft, with the engine's speculation batch policy (`draft`, `ngram`) and
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     outs = engine(a, target, batch=64).generate(ps, SamplingParams(temperature=0, max_tokens=a.new_tokens,
                                                                    ignore_eos=True))
     rows = torch.tensor([p + o.token_ids for p, o in zip(ps, outs)], device=a.device)
+    gc.collect()  # the generating engine's cache pool
     sample = bytes(b for b in outs[0].token_ids if b < 256).decode("utf-8", "replace")
     print(f"# target continuations for the draft: {len(ps)} x {a.new_tokens} tokens in {time.perf_counter() - t0:.1f}s;"
           f" one: {bytes(ps[0]).decode('utf-8', 'replace')!r} -> {sample!r}", flush=True)
