@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Speculate in steps with at most this many decoding requests (EngineConfig's default). From the
-# measurements in docs/draft.md: speculation wins at batch 1-4 and loses from batch 8 on (k3-tiny,
-# k3-small; one H100).
+# measurements in docs/draft.md (k3-tiny, one H100): speculation wins 1.8-2.0x at batch 1 and loses at
+# batch 8 (0.90-0.95x); 4 is the largest power of two below the loss. bench/spec.py measures batches
+# 1, 2, 4, 8 and 32 on k3-small (draft-all rows: speculation without the limit) to re-derive it.
 DEFAULT_SPEC_MAX_BATCH = 4
 
 
