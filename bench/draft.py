@@ -18,6 +18,7 @@ the greedy draft chain is one graph per row bucket (`k3.serve.draft_spec`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -46,11 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32; tiny: 1,2)")
     p.add_argument("--spec-tokens", type=int, default=4)
-    p.add_argument("--spec-max-batch", type=int, default=0, help="EngineConfig.speculative_max_batch (0: no limit)")
+    p.add_argument("--spec-max-batch", type=int, default=None, help="EngineConfig.speculative_max_batch (default: the "
+                   "engine's; 0: no limit); modes with the suffix -all (draft-all, ngram-all) speculate at every batch")
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--train-steps", type=int, default=None, help="draft training steps when --draft is not given")
-    p.add_argument("--modes", default="plain,draft,ngram", help="comma list of: plain, draft, ngram")
+    p.add_argument("--modes", default="plain,draft,ngram", help="comma list of: plain, draft, ngram, draft-all, "
+                   "ngram-all (-all: no speculation batch limit)")
     p.add_argument("--prompts", default=None, help="a .jsonl of {\"ids\", \"prompt_len\"} (e.g. a train-draft run's "
                    "held-out val.jsonl): its prompts instead of random ones (cycled to fill a batch)")
     p.add_argument("--requests", type=int, default=None, help="requests per row (default: the batch size); "
@@ -89,12 +92,16 @@ def prompts(a: argparse.Namespace, vocab: int, n: int, seed: int) -> list[list[i
     return [[rng.randrange(vocab - 256) for _ in range(a.prompt_len)] for _ in range(n)]
 
 
-def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int | None = None) -> Engine:
-    """batch: the most requests decoding together (default: the largest batch size)."""
+def engine(a: argparse.Namespace, target, draft=None, ngram: int = 0, batch: int | None = None,
+           max_batch: int | None = None) -> Engine:
+    """batch: the most requests decoding together (default: the largest batch size); max_batch: the
+    speculation batch limit (default: --spec-max-batch, else the engine's)."""
+    limit = max_batch if max_batch is not None else a.spec_max_batch
     cfg = EngineConfig(memory_budget_bytes=(256 << 20) if a.tiny else (8 << 30), page_size=16 if a.tiny else 128,
                        static_decode=a.static_decode,
                        enable_prefix_cache=False, max_running=batch or max(a.batches), speculative_ngram=ngram,
-                       speculative_draft_tokens=a.spec_tokens, speculative_max_batch=a.spec_max_batch)
+                       speculative_draft_tokens=a.spec_tokens,
+                       **({} if limit is None else {"speculative_max_batch": limit}))
     return Engine(target, None, cfg, eos_id=-1, draft=draft)
 
 
@@ -105,27 +112,46 @@ def train_here(a: argparse.Namespace, target) -> EagleDraft:
     t0 = time.perf_counter()
     outs = engine(a, target).generate(ps, SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True))
     rows = torch.tensor([p + o.token_ids for p, o in zip(ps, outs)], device=a.device)
+    draft = train_on_rows(target, rows, a.prompt_len, a.spec_tokens, steps=a.train_steps, batch_size=4 if a.tiny else 16)
+    print(f"# draft trained here in {time.perf_counter() - t0:.0f}s (data generation included)", flush=True)
+    return draft
+
+
+def train_on_rows(target, rows: torch.Tensor, prompt_len: int, k: int, *, steps: int, seconds: float | None = None,
+                  batch_size: int = 16, lr: float = 2e-3, log_every: int = 0) -> EagleDraft:
+    """A fresh draft (float32 master weights, returned in the target's dtype, eval) trained with the
+    training-time test on rows [N, T] long: prompts of prompt_len tokens + the target's own greedy
+    continuations. Stops after `steps` steps or, when given, `seconds` of training (the first step,
+    kernel compilation, not counted); prints a progress line every `log_every` steps (0: at the end)."""
+    dev = rows.device
     torch.manual_seed(0)
-    draft = EagleDraft(DraftConfig.for_target(target.config)).to(a.device).attach(target)
-    opt = torch.optim.AdamW(draft.parameters(), lr=2e-3)
-    bs = 4 if a.tiny else 16
-    lengths = torch.full((bs,), rows.shape[1], device=a.device)
-    prompt_lens = torch.full((bs,), a.prompt_len, device=a.device)
-    for step in range(a.train_steps):
-        ids = rows[torch.randint(len(rows), (bs,), generator=torch.Generator().manual_seed(step))]
-        with torch.autocast(a.device, torch.bfloat16, enabled=a.device == "cuda"):
+    draft = EagleDraft(DraftConfig.for_target(target.config)).to(dev).attach(target)
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr)
+    lengths = torch.full((batch_size,), rows.shape[1], device=dev)
+    prompt_lens = torch.full((batch_size,), prompt_len, device=dev)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        ids = rows[torch.randint(len(rows), (batch_size,), generator=torch.Generator().manual_seed(step))]
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
             aux, logp = target_pass(target, ids, draft.config.target_layers)
-            out = ttt_forward(draft, aux, logp, ids, lengths, prompt_lens, a.spec_tokens)
+            out = ttt_forward(draft, aux, logp, ids, lengths, prompt_lens, k)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
-    print(f"# draft trained here: {a.train_steps} steps in {time.perf_counter() - t0:.0f}s "
-          f"(data generation included), last tau estimate {out.tau:.2f} at K={a.spec_tokens}", flush=True)
+        if step == 0:
+            t0 = time.perf_counter()
+        done = step + 1 == steps or (seconds is not None and time.perf_counter() - t0 > seconds)
+        if done or (log_every and (step + 1) % log_every == 0):
+            print(f"# draft step {step + 1}: loss {out.loss.item():.3f}, per-step top-1 agreement "
+                  f"{[round(x, 2) for x in out.step_acc]}, tau estimate {out.tau:.2f} at K={k} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        if done:
+            break
     return draft.to(target.lm_head.weight.dtype).eval()
 
 
-def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple[dict, list[list[int]]]:
-    ps = prompts(a, vocab, max(batch, a.requests or 0), seed=2)
+def run_row(a: argparse.Namespace, eng: Engine, batch: int, ps: list[list[int]]) -> tuple[dict, list[list[int]]]:
+    """Time `ps` (greedy, a.new_tokens each) through `eng` -> (the row's numbers, the output ids)."""
     sp = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
     if a.warmup == "full":  # the same workload untimed first: every CUDA graph bucket it uses gets captured
         eng.generate(ps, sp)
@@ -159,7 +185,11 @@ def run_row(a: argparse.Namespace, eng: Engine, batch: int, vocab: int) -> tuple
     spent = {k: round(s[k] - before[k], 3) for k in ("spec_propose_seconds", "spec_verify_seconds", "decode_seconds",
                                                     "prefill_seconds")}
     runner = eng.runner
+    # decode only: the tokens after each request's first (sampled from its prefill) over the time outside
+    # prefill forwards (host-timed; a prefill's time includes waiting for its own device work)
+    decode_s = max(dt - spent["prefill_seconds"], 1e-9)
     return {"batch": batch, "requests": len(ps), "tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
+            "decode_tok_s": round((toks - len(ps)) / decode_s, 1),
             "tau": round((acc + rows) / rows, 3) if rows else None, "steps": s["steps"] - before["steps"],
             "verify_forwards": s["spec_verify_forwards"] - before["spec_verify_forwards"], **spent,
             "graphs": runner.num_captures if runner is not None and runner.use_graphs else 0,
@@ -173,15 +203,41 @@ def main(argv: list[str] | None = None) -> int:
     vocab = target.config.text_config.vocab_size
     modes = a.modes.split(",")
     draft = None
-    if "draft" in modes:
+    if any(m.startswith("draft") for m in modes):
         draft = load_draft(a.draft, target) if a.draft else train_here(a, target)
+    measure(a, target, draft, modes, lambda batch: prompts(a, vocab, max(batch, a.requests or 0), seed=2))
+    return 0
+
+
+def measure(a: argparse.Namespace, target, draft, modes: list[str], make_prompts, deadline: float | None = None
+            ) -> list[dict]:
+    """Every (batch in a.batches, mode) row, printed as JSON as it finishes (a markdown table at the end
+    with --markdown); make_prompts(batch) -> the row's prompts. Modes: plain, draft, ngram, and
+    draft-all / ngram-all (no speculation batch limit). Outputs are compared with the first mode's.
+    deadline: a `time.perf_counter()` value after which the remaining rows are skipped (reported)."""
+    known = {"plain", "draft", "ngram", "draft-all", "ngram-all"}
+    if set(modes) - known:
+        raise SystemExit(f"unknown modes {sorted(set(modes) - known)}; choose from {sorted(known)}")
+    limit = a.spec_max_batch if a.spec_max_batch is not None else EngineConfig().speculative_max_batch
     results = []
     for batch in a.batches:
         ref = None
+        ps = make_prompts(batch)
         for mode in modes:
-            eng = engine(a, target, draft=draft if mode == "draft" else None, ngram=a.spec_tokens if mode == "ngram" else 0,
-                         batch=batch)
-            row, outs = run_row(a, eng, batch, vocab)
+            if deadline is not None and time.perf_counter() > deadline:
+                print(f"# time budget spent: batch {batch} {mode} skipped", flush=True)
+                continue
+            base = mode.removesuffix("-all")
+            if base != mode and base in modes and (limit == 0 or batch <= limit):
+                continue  # the policy allows this batch: the same engine as `base`
+            eng = engine(a, target, draft=draft if base == "draft" else None,
+                         ngram=a.spec_tokens if base == "ngram" else 0, batch=batch,
+                         max_batch=0 if mode.endswith("-all") else None)
+            row, outs = run_row(a, eng, batch, ps)
+            del eng  # its cache pool and graphs (the engine holds reference cycles: collect now)
+            gc.collect()
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
             ref = outs if ref is None else ref
             same = sum(o == r for o, r in zip(outs, ref))
             row |= {"mode": mode, "preset": a.checkpoint or a.preset, "device": a.device, "k": a.spec_tokens,
@@ -194,12 +250,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# MISMATCH: {mode} output differs from {modes[0]} in {len(ref) - same} of {len(ref)} requests "
                       f"at batch {batch} (first differing token: {[f for f in first if f is not None][:8]})", flush=True)
     if a.markdown:
-        print("\n| batch | mode | tokens/s | speed-up | tau |\n|---|---|---|---|---|")
-        base = {r["batch"]: r["tok_s"] for r in results if r["mode"] == modes[0]}
+        print("\n| batch | mode | tokens/s | speed-up | decode-only tokens/s | speed-up | tau | prefill s | "
+              "speculated steps | outputs == first |\n|---|---|---|---|---|---|---|---|---|---|")
+        base = {r["batch"]: r for r in results if r["mode"] == modes[0]}
         for r in results:
-            print(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base[r['batch']]:.2f}x | "
-                  f"{r['tau'] if r['tau'] is not None else '-'} |")
-    return 0
+            b = base[r["batch"]]
+            print(f"| {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / b['tok_s']:.2f}x | "
+                  f"{r['decode_tok_s']:.1f} | {r['decode_tok_s'] / b['decode_tok_s']:.2f}x | "
+                  f"{r['tau'] if r['tau'] is not None else '-'} | {r['prefill_seconds']:.3f} | "
+                  f"{r['verify_forwards']}/{r['steps']} | {r['same_requests']} |")
+    return results
 
 
 if __name__ == "__main__":

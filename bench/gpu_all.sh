@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything GPU-side, section by section:
-#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla kdaprof shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft balance
+#   bash bench/gpu_all.sh [SECTION ...]      sections: tests train serve profile kda trainprof kdafla kdaprof shortconv situ attnres combine route ce trainer ncu router groupedmm gmm step ncuconv gaps dist rl distill mxfp4 draft spec balance
 #                                            (default: tests train serve profile kda)
 # Each section writes its log to ${OUT:-bench_out}/<section>.txt and prints a short summary, so a
 # run cut short by the call's time limit still returns what finished. Needs PYTHONPATH=repo root
@@ -164,6 +164,10 @@ for s in $sections; do
       timeout ${DRAFT_S:-540} python bench/draft.py --markdown --train-steps ${DRAFT_STEPS:-300} ${DRAFT_ARGS:-} 2>&1 \
         | quiet > "$OUT/draft.txt"
       grep -E "^\||^# |ERROR|Error" "$OUT/draft.txt" ;;
+    spec)  # issue 30's k3-small acceptance run: a target trained here (SPEC_ARGS, e.g. "--target-seconds 60"), a draft
+      # distilled from its greedy outputs, plain / n-gram / draft (speculation policy on) / draft-all at batch 1, 8, 32
+      timeout ${SPEC_S:-540} python bench/spec.py --markdown ${SPEC_ARGS:-} 2>&1 | quiet > "$OUT/spec.txt"
+      grep -E "^\||^# |ERROR|Error" "$OUT/spec.txt" ;;
     balance)  # Quantile Balancing vs the sign update on k3-small (issue 33's GPU check): BALANCE_STEPS steps of
       # 8 rows x 8,192 tokens (one stage, so every step of the tail has 8 independent rows) over torch's Python source
       # (BALANCE_DATA; the device's slim stdlib is 2.4M tokens, 8 epochs of a 300-step run)
@@ -176,7 +180,7 @@ for s in $sections; do
       for f in /tmp/balance/balance.* /tmp/balance/*/metrics.jsonl; do  # not the checkpoints
         mkdir -p "$OUT/$(dirname ${f#/tmp/})"; cp "$f" "$OUT/${f#/tmp/}"; done
       grep -E "^\||Error|error" "$OUT/balance.txt" ;;
-    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, kdaprof, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, balance)"; exit 2 ;;
+    *) echo "unknown section: $s (tests, train, serve, profile, kda, trainprof, kdafla, kdaprof, shortconv, situ, attnres, combine, route, ce, trainer, ncu, router, groupedmm, gmm, step, ncuconv, gaps, dist, rl, distill, mxfp4, draft, spec, balance)"; exit 2 ;;
   esac
   echo "== $s: $(( $(date +%s) - start )) s"
 done

@@ -52,8 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default=None, help="an EAGLE-3 draft directory (`k3 train-draft` OUT/final) for "
                    "learned speculative decoding (greedy: exact match; sampling: lossless rejection sampling)")
     p.add_argument("--spec-tokens", type=int, default=4, metavar="K", help="draft tokens per step with --draft")
-    p.add_argument("--spec-max-batch", type=int, default=0, metavar="N",
-                   help="steps with more than N decoding requests decode without drafts (0: always draft)")
+    p.add_argument("--spec-max-batch", type=int, default=None, metavar="N",
+                   help="speculate (--draft or --speculative-ngram) only in steps with at most N decoding requests; "
+                        "larger steps decode plainly, where verifying costs more than it saves (0: always; "
+                        "default: EngineConfig.speculative_max_batch, measured: docs/draft.md)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the elementwise regions (fused norms, activations, AttnRes, router); "
                         "on CUDA the compiled kernels are captured in the decode graphs")
@@ -126,7 +128,8 @@ def build(args: argparse.Namespace):
                        cuda_graphs=not args.no_cuda_graphs, cuda_graph_max_len=args.cuda_graph_max_len,
                        speculative_ngram=args.speculative_ngram, speculative_min_match=args.speculative_min_match,
                        speculative_max_match=args.speculative_max_match,
-                       speculative_draft_tokens=args.spec_tokens, speculative_max_batch=args.spec_max_batch)
+                       speculative_draft_tokens=args.spec_tokens,
+                       **({} if args.spec_max_batch is None else {"speculative_max_batch": args.spec_max_batch}))
     draft = None
     if args.draft:
         from k3.model.draft import load_draft

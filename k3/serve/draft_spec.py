@@ -19,8 +19,9 @@ run the same code eagerly: d_j ~ q_j = `target_probs(draft logits, params)` (the
 top-k / top-p applied to the draft) with the request's rng, returned with q, so `accept_draft` applies
 min(1, p/q) and the residual max(0, p - q): the output distribution is the target's whatever the draft.
 
-Positions the draft has no features for (a prefix-cache hit, recomputation after preemption) are
-skipped or start the request's draft context afresh; the cache keeps a window of the last `window`
+Positions the draft has no features for (a prefix-cache hit, recomputation after preemption, steps the
+engine's batch-size policy ran without speculation: `k3.serve.spec_policy`) are skipped or start the
+request's draft context afresh; the cache keeps a window of the last `window`
 positions (a ring; the draft attends to about that many). Only the acceptance rate can suffer from
 either, never the output.
 """
@@ -50,7 +51,7 @@ class DraftSeq:
 
     @property
     def num_pending(self) -> int:
-        return sum(x.shape[0] for x in self.pending)
+        return self.next_pos - self.pending_start if self.pending else 0
 
 
 class DraftKV:
@@ -142,6 +143,9 @@ class DraftProposer:
             s.pending_start = start
         s.pending.append(aux.detach())
         s.next_pos = start + aux.shape[0]
+        if s.num_pending > 2 * self.kv.window:  # not drafted for long (grammar, penalties): keep the newest
+            keep = torch.cat(s.pending)[-self.kv.window:]  # window (the ring would overwrite the rest); bounded memory
+            s.pending, s.pending_start = [keep], s.next_pos - keep.shape[0]
 
     # ---- drafting ---------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -181,30 +185,43 @@ class DraftProposer:
         F = self.feed_len
         host = torch.zeros(b, 2 * F + 2, dtype=torch.long, pin_memory=self._ids.is_cuda)
         host[:, F: 2 * F] = -1
+        older = []  # (row, start, aux, ids) fed eagerly first, all requests together
         for n, r in enumerate(reqs):
             s = self.seqs[r]
             aux = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
             start, m = s.pending_start, aux.shape[0]
             ids = r.tokens[start + 1: start + 1 + m]
             if m > F:
-                self._prefeed(s.row, start, aux[: m - F], ids[: m - F])
+                older.append((s.row, start, aux[: m - F], ids[: m - F]))
                 aux, ids, start, m = aux[m - F:], ids[m - F:], start + m - F, F
             self._aux[n, :m].copy_(aux)
             host[n, :m] = torch.tensor(ids, dtype=torch.long)
             host[n, F: F + m] = torch.arange(start, start + m)
             host[n, 2 * F], host[n, 2 * F + 1] = s.row, m - 1
             s.pending, s.pending_start = [], s.next_pos
+        if older:
+            self._prefeed(older)
         self._ids[:b].copy_(host, non_blocking=True)  # pinned: no wait for the device to drain
 
-    def _prefeed(self, row: int, start: int, aux: torch.Tensor, ids: list[int]) -> None:
-        """Feed entries start.. of one request into its cache row eagerly, in chunks of half the window."""
-        step = self.kv.window // 2
-        rows = torch.tensor([row], device=aux.device)
-        for a in range(0, aux.shape[0], step):
-            n = min(step, aux.shape[0] - a)
-            tok = torch.tensor([ids[a: a + n]], device=aux.device)
-            pos = torch.arange(start + a, start + a + n, device=aux.device)[None]
-            self._feed(rows, tok, self.draft.fuse(aux[None, a: a + n]), pos)
+    def _prefeed(self, items: list[tuple[int, int, torch.Tensor, list[int]]]) -> None:
+        """Feed each (cache row, first position, features [m, 3H], next tokens [m]) into its row eagerly:
+        all requests in one padded batch per chunk of half the window (a request's chunk c holds its
+        entries c * window / 2 ..; padding entries have position -1 and are not stored)."""
+        step, dev = self.kv.window // 2, items[0][2].device
+        rows = torch.tensor([row for row, _, _, _ in items], device=dev)
+        longest = max(aux.shape[0] for _, _, aux, _ in items)
+        for a in range(0, longest, step):
+            n = min(step, longest - a)
+            feats = self._aux.new_zeros(len(items), n, self._aux.shape[-1])
+            tok = torch.zeros(len(items), n, dtype=torch.long)
+            pos = torch.full((len(items), n), -1, dtype=torch.long)
+            for i, (_, start, aux, ids) in enumerate(items):
+                m = min(n, aux.shape[0] - a)
+                if m > 0:
+                    feats[i, :m] = aux[a: a + m]
+                    tok[i, :m] = torch.tensor(ids[a: a + m])
+                    pos[i, :m] = torch.arange(start + a, start + a + m)
+            self._feed(rows, tok.to(dev, non_blocking=True), self.draft.fuse(feats), pos.to(dev, non_blocking=True))
 
     def _feed(self, rows: torch.Tensor, tok: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Entries (feature, token) at positions pos [B, T] (-1: padding) of cache rows [B]: store their keys

@@ -31,6 +31,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
+from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy
 from k3.serve.speculative import make_speculator
 
 
@@ -56,8 +57,9 @@ class EngineConfig:
     given a draft model (`Engine(..., draft=)`, `k3.serve.draft_spec`); exact likewise.
     speculative_draft_window: draft KV positions kept per request (a ring: the draft attends to about
     the last this many positions; only the acceptance rate depends on it).
-    speculative_max_batch: steps with more decoding requests than this decode plainly (0 = no limit):
-    where a verify step costs more than the tokens it saves (large batches of a small model).
+    speculative_max_batch: speculate only in steps with at most this many decoding requests (0 = no
+    limit): beyond it a verify step costs more than the tokens it saves (`k3.serve.spec_policy`; the
+    default is measured, docs/draft.md). Steps above it decode plainly and feed the draft nothing.
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -86,7 +88,7 @@ class EngineConfig:
     speculative_max_match: int = 4
     speculative_draft_tokens: int = 4
     speculative_draft_window: int = 1024
-    speculative_max_batch: int = 0
+    speculative_max_batch: int = DEFAULT_SPEC_MAX_BATCH
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -206,6 +208,8 @@ class Engine:
                                    ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
                                     draft, cfg.speculative_draft_tokens, cfg.speculative_draft_window, cfg.max_running)
+        self.spec_policy = SpecPolicy(cfg.speculative_max_batch)
+        self.speculating = False  # this step's policy decision: draft, verify, and feed the proposer
 
     # ---- requests ----------------------------------------------------------------------------------
     def max_tokens_limit(self, prompt_len: int) -> int:
@@ -342,11 +346,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         touched: list[Request] = []
+        decode = plan.decode
+        joining = sum(1 for r, n in plan.prefill if n >= r.pending - 1)  # prompt done: they decode next step
+        self.speculating = self.spec is not None and self.spec_policy.speculate(len(decode) + joining)
+        if self.spec is not None and decode and not self.speculating:
+            self.metrics.spec_policy_plain_steps += 1
         if plan.prefill:
             touched += self._run(plan.prefill, decode=False)
-        decode = plan.decode
-        limit = self.config.speculative_max_batch
-        if decode and self.spec is not None and (not limit or len(decode) <= limit):
+        if decode and self.speculating:
             decode, drafted = self.spec.split(decode)  # requests with drafts verify them, the rest decode
             if drafted:
                 touched += self.spec.run(drafted)
@@ -409,12 +416,12 @@ class Engine:
         """Run the model on each request's next `n` tokens; returns logits [N, vocab] at each chunk end."""
         reqs = [r for r, _ in batch]
         ns = [n for _, n in batch]
-        capture = self.spec.capture_layers if self.spec is not None else []  # a learned draft reads them
+        capture = self.spec.capture_layers if self.speculating else []  # a learned draft reads them
         if decode and self.runner is not None:
             out = self.runner.run([[r.tokens[r.num_computed]] for r in reqs], [r.num_computed for r in reqs],
                                   [r.slot for r in reqs], [r.pages for r in reqs])
             if out is not None:  # else: beyond the runner's buckets, run the dynamic path
-                if out[1] is not None:
+                if out[1] is not None and self.speculating:
                     self.spec.observe_rows(batch, out[1])
                 self._computed(batch)
                 return out[0][:, 0]

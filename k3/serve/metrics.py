@@ -36,6 +36,7 @@ class EngineMetrics:
     spec_rerun_forwards: int = 0
     spec_verify_seconds: float = 0.0
     spec_propose_seconds: float = 0.0
+    spec_policy_plain_steps: int = 0  # steps with decoding requests above EngineConfig.speculative_max_batch
 
     def observe_forward(self, decode: bool, rows: int, seconds: float) -> None:
         if decode:
@@ -70,7 +71,7 @@ class EngineMetrics:
             "spec_draft_tokens": self.spec_draft_tokens, "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_verify_forwards": self.spec_verify_forwards, "spec_verify_rows": self.spec_verify_rows,
             "spec_rerun_forwards": self.spec_rerun_forwards, "spec_verify_seconds": self.spec_verify_seconds,
-            "spec_propose_seconds": self.spec_propose_seconds,
+            "spec_propose_seconds": self.spec_propose_seconds, "spec_policy_plain_steps": self.spec_policy_plain_steps,
             "spec_acceptance_rate": (self.spec_accepted_tokens / self.spec_draft_tokens
                                      if self.spec_draft_tokens else 0.0),
             "spec_mean_acceptance_length": ((self.spec_accepted_tokens + self.spec_verify_rows) / self.spec_verify_rows
@@ -97,6 +98,8 @@ _HELP = {
     "spec_rerun_forwards": ("counter", "Rollbacks of partly rejected verify runs (KDA states replayed to the accepted prefix)"),
     "spec_verify_seconds": ("counter", "Wall seconds in the speculative verify path (forwards and acceptance)"),
     "spec_propose_seconds": ("counter", "Wall seconds in the speculative proposer (drafting)"),
+    "spec_policy_plain_steps": ("counter", "Steps decoded without speculation because more requests were decoding "
+                                           "than the speculation batch limit (--spec-max-batch)"),
     "prompt_tokens_computed": ("counter", "Prompt tokens run through the model (not served from the cache)"),
     "generated_tokens": ("counter", "Tokens sampled"),
     "prompt_tokens": ("counter", "Prompt tokens of finished requests"),

@@ -74,7 +74,8 @@ def test_train_draft_cli_writes_metrics_checkpoint_and_a_servable_draft(setup, t
     from k3.data.tokenizer import load_tokenizer
 
     eng = Engine(model, load_tokenizer(target), EngineConfig(memory_budget_bytes=32 << 20, page_size=8,
-                                                             enable_prefix_cache=False, speculative_draft_tokens=3),
+                                                             enable_prefix_cache=False, speculative_draft_tokens=3,
+                                                             speculative_max_batch=0),
                  draft=load_draft(out / "final", model))
     eng.generate([s["ids"][:8] for s in seqs], SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=0))
     tau = eng.stats()["spec_mean_acceptance_length"]

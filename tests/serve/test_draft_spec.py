@@ -35,7 +35,7 @@ class SmallVocab:
 def _engine(model, draft=None, k: int = 4, **overrides) -> Engine:
     cfg = {"memory_budget_bytes": 16 << 20, "page_size": 8, "unit_size": 8, "checkpoint_every_units": 2,
            "checkpoint_min_gap": 2, "max_model_len": 1024, "enable_prefix_cache": False,
-           "speculative_draft_tokens": k}
+           "speculative_draft_tokens": k, "speculative_max_batch": 0}  # verify at every batch size
     cfg.update(overrides)
     return Engine(model, SmallVocab(), EngineConfig(**cfg), draft=draft)
 

@@ -99,7 +99,8 @@ def test_verify_refuses_bad_input(model):
 def _engine(model, draft=None, k: int = 4, **overrides) -> Engine:
     cfg = {"memory_budget_bytes": 16 << 20, "page_size": 8, "unit_size": 8, "checkpoint_every_units": 2,
            "checkpoint_min_gap": 2, "max_model_len": 1024, "enable_prefix_cache": False,
-           "speculative_draft_tokens": k, "max_running": 8, "speculative_draft_window": 128}
+           "speculative_draft_tokens": k, "max_running": 8, "speculative_draft_window": 128,
+           "speculative_max_batch": 0}  # verify at every batch size
     cfg.update(overrides)
     return Engine(model, SmallVocab(), EngineConfig(**cfg), draft=draft)
 
@@ -175,26 +176,32 @@ def test_speculative_max_batch_decodes_large_steps_plainly(model, draft):
 
 def test_static_draft_chain_equals_the_draft_run_directly(model, draft):
     """The proposer's ring-buffer KV and static chain (prefeed + last k + 1 entries + k steps) give the
-    drafts the draft layer itself computes over the whole context, step by step."""
-    prompt = _prompts(5, [23])[0]
-    eng = _engine(model, draft, k=3, static_decode=True)
+    drafts the draft layer itself computes over the whole context, step by step; several requests of
+    different lengths prefeed together in chunks of half the window (window 32: chunks of 16)."""
+    for lengths, window in (([23], 128), ([23, 9, 20], 32)):
+        _check_chain(model, draft, _prompts(5, lengths), window)
+
+
+def _check_chain(model, draft, prompts: list[list[int]], window: int) -> None:
+    eng = _engine(model, draft, k=3, static_decode=True, speculative_draft_window=window)
     prop = eng.spec.proposer
-    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    req = eng.requests[rid]
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) for p in prompts]
+    reqs = [eng.requests[i] for i in ids]
     got, own = [], prop.propose
 
     def propose(cands):
         out = own(cands)
-        got.append((list(cands[0][0].tokens), out[0][0].host()))  # greedy: DraftIds on the device
+        got.extend((list(r.tokens), d.host()) for (r, _), (d, _) in zip(cands, out))  # greedy: DraftIds
         return out
 
     prop.propose = propose
     while eng.has_unfinished():
         eng.step()
-    assert got and req.status == "finished"
+    assert len(got) >= len(prompts) and all(r.status == "finished" for r in reqs)
+    assert max(len(t) for t, _ in got) < window  # the ring still holds every position
     layers = list(draft.config.target_layers)
     with torch.inference_mode():
-        for tokens, drafts in got[:3]:
+        for tokens, drafts in got[: 3 * len(prompts)]:
             n = len(tokens) - 1  # positions with target states: 0..n-1; entry i = (state i, token i + 1)
             _, hidden = model.model(torch.tensor([tokens[:n]]), hidden_state_layers=layers)
             aux = torch.cat([hidden[i] for i in layers], -1)

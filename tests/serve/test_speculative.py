@@ -33,7 +33,8 @@ class SmallVocab:
 def _engine(model, k: int, **overrides) -> Engine:
     cfg = {"memory_budget_bytes": 16 << 20, "page_size": 8, "unit_size": 8, "checkpoint_every_units": 4,
            "checkpoint_min_gap": 2, "max_model_len": 1024, "speculative_ngram": k, "speculative_min_match": 1,
-           "speculative_max_match": 3, "enable_prefix_cache": False}
+           "speculative_max_match": 3, "enable_prefix_cache": False,
+           "speculative_max_batch": 0}  # the verify path at every batch size (the policy: tests/serve/test_spec_policy.py)
     cfg.update(overrides)
     return Engine(model, SmallVocab(), EngineConfig(**cfg))
 
