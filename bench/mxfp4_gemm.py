@@ -127,6 +127,20 @@ def _dequant_fits(E: int, N: int, K: int, dev: str) -> bool:
     return dev != "cuda" or E * N * K * 2 < 0.8 * torch.cuda.mem_get_info()[0]
 
 
+def dequant_alone(packed_k, scale, reps: int, dev: str) -> None:
+    """Time the decode into a bf16 scratch alone (the default and two other row blocks / warps)."""
+    from k3.ops.mxfp4_gemm import mxfp4_dequant
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import mxfp4_dequant_triton
+
+    gb = (packed_k.numel() * 5 + scale.numel()) / 1e6  # read packed + scale, write 4 bytes per packed byte
+    ms = timed(lambda: mxfp4_dequant(packed_k, scale, kernel_order=True), reps, dev)
+    print(f"#   dequant alone (default): {ms:.4f} ms ({gb / ms:.0f} GB/s read + written)", flush=True)
+    if dev == "cuda":
+        for br, w in ((64, 8), (16, 4)):
+            ms = timed(lambda: mxfp4_dequant_triton(packed_k, scale, True, block_rows=br, warps=w), reps, dev)
+            print(f"#   dequant alone (block_rows {br}, {w} warps): {ms:.4f} ms ({gb / ms:.0f} GB/s)", flush=True)
+
+
 def sweep(x, packed, packed_k, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
     """(ms, candidate) of each candidate that runs and agrees with y_ref, fastest first (packed_k: the bytes
     in kernel order for perm-4 candidates and "dequant", None to skip those)."""
@@ -142,9 +156,7 @@ def sweep(x, packed, packed_k, scale, offs, y_ref, reps: int, dev: str) -> list[
                 continue
             cfg = Mxfp4GemmConfig(dequant_rows_per_expert=1, dequant_max_bytes=1 << 62)
             fn = lambda: mxfp4_grouped_mm(x, packed_k, scale, offs, kernel_order=True, config=cfg)  # noqa: E731
-            ms = timed(lambda: mxfp4_dequant(packed_k, scale, kernel_order=True), reps, dev)
-            print(f"#   dequant alone: {ms:.4f} ms ({(packed.numel() * 5 + scale.numel()) / ms / 1e6:.0f} GB/s "
-                  f"read + written)", flush=True)
+            dequant_alone(packed_k, scale, reps, dev)
         elif t.perm == 4 and packed_k is None:
             continue
         else:

@@ -156,6 +156,7 @@ def test_dequant_route():
     assert not uses_dequant(131072, 896, 6144, 3584, torch.bfloat16)  # kimi-k3 prefill: 146 rows per expert
     assert not uses_dequant(896 * 1024, 896, 6144, 3584, torch.bfloat16)  # a 39 GB scratch: over the limit
     assert not uses_dequant(65536, 64, 1024, 512, torch.float32)
+    assert not uses_dequant(65536, 64, 1020, 512, torch.bfloat16)  # N not a multiple of 8
     assert not uses_dequant(65536, 64, 1024, 512, torch.bfloat16, Mxfp4GemmConfig(dequant_rows_per_expert=0))
     with pytest.raises(ValueError):
         Mxfp4GemmConfig(dequant_rows_per_expert=-1)

@@ -54,8 +54,9 @@ def uses_dequant(rows: int, experts: int, n: int, k: int, dtype: torch.dtype,
                  config: Mxfp4GemmConfig = DEFAULT_CONFIG) -> bool:
     """Whether `mxfp4_grouped_mm` (Triton, default tiles) decodes the [experts, n, k] stack into a bf16
     scratch and runs torch._grouped_mm: bf16 activations, at least config.dequant_rows_per_expert rows
-    per expert, the scratch within config.dequant_max_bytes."""
-    return (dtype == torch.bfloat16 and config.dequant_rows_per_expert > 0
+    per expert, the scratch within config.dequant_max_bytes, n a multiple of 8 (torch._grouped_mm's
+    16-byte alignment of the transposed weights)."""
+    return (dtype == torch.bfloat16 and config.dequant_rows_per_expert > 0 and n % 8 == 0
             and rows >= config.dequant_rows_per_expert * experts and experts * n * k * 2 <= config.dequant_max_bytes)
 
 
@@ -105,7 +106,7 @@ def mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
         E, N = packed.shape[:2]
         if tiles is None and uses_dequant(x.shape[0], E, N, x.shape[1], x.dtype, config):
             w = mxfp4_dequant(packed, scale, kernel_order=kernel_order, use_triton=True)
-            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offs)
         return mxfp4_gmm_triton(x, packed, scale, offs, tiles, kernel_order)
     return mxfp4_gmm_reference(x, from_kernel_order(packed) if kernel_order else packed, scale, offs)
 

@@ -411,11 +411,11 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 def mxfp4_dequant_triton(packed: torch.Tensor, scale: torch.Tensor, kernel_order: bool = False,
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                         dtype: torch.dtype = torch.bfloat16, block_rows: int = 32, warps: int = 4) -> torch.Tensor:
     """packed uint8 [..., N, K/2] (official layout, or kernel order: K a multiple of 64), scale uint8
     [..., N, K/32], both contiguous -> the decoded weights [..., N, K] of dtype (bf16 / fp16 / fp32), K in
     order. Exact over the GEMM's scale range (E8M0 bytes 34..160; above: inf); a memory-bound pass (4.25
-    bits read, 16 written per bf16 weight)."""
+    bits read, 16 written per bf16 weight); a program decodes block_rows rows x 256 columns."""
     K = packed.shape[-1] * 2
     R = packed.numel() // max(packed.shape[-1], 1)
     w = torch.empty(*packed.shape[:-1], K, dtype=dtype, device=packed.device)
@@ -425,9 +425,9 @@ def mxfp4_dequant_triton(packed: torch.Tensor, scale: torch.Tensor, kernel_order
     perm = 4 if kernel_order else 0
     if perm == 4 and (bk < 64 or K % 64):
         raise ValueError(f"kernel-order bytes need K a multiple of 64, got K = {K}")
-    br = 32
+    br = block_rows
     asm = packed.is_cuda and dtype == torch.bfloat16
     _mxfp4_dequant[(triton.cdiv(R, br), K // bk)](packed, scale, w, R, K, BR=br, BK=bk,
                                                    Y_UP=float(2 ** SHIFT_BITS), PERM=perm, ASM=asm,
-                                                   num_warps=4)
+                                                   num_warps=warps)
     return w
