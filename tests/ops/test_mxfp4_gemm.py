@@ -207,16 +207,21 @@ def test_bad_inputs():
 @pytest.mark.parametrize("E,N,K,tokens,top_k", [(64, 1024, 512, 8, 8), (64, 512, 512, 4096, 8),
                                                 (32, 6144, 3584, 16, 16), (32, 3584, 3072, 2048, 16)])
 def test_gpu_real_sizes(E, N, K, tokens, top_k):
-    """k3-small and (a slice of) kimi-k3 expert shapes, decode and prefill tile choices, bf16."""
+    """k3-small and (a slice of) kimi-k3 expert shapes, decode and prefill tile choices, bf16; at prefill
+    both paths (decode + torch._grouped_mm where the rule takes it, and the fused kernel)."""
     g = torch.Generator().manual_seed(2)
     packed, scale = _weights(E, N, K, g)
     idx = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).flatten()
     counts = torch.bincount(idx, minlength=E).tolist()
     x = (torch.randn(sum(counts), K, generator=g) * 0.1).to(DEV, torch.bfloat16)
     offs = _offs(counts)
-    y = mxfp4_grouped_mm(x, packed, scale, offs)
     ref = mxfp4_gmm_reference(x, packed, scale, offs)
-    assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2 * ref.float().abs().max().item())
+    for cfg in (Mxfp4GemmConfig(), Mxfp4GemmConfig(dequant_rows_per_expert=0)):
+        for ko in (False, True):
+            y = mxfp4_grouped_mm(x, to_kernel_order(packed) if ko else packed, scale, offs, kernel_order=ko,
+                                 config=cfg)
+            assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7,
+                                  atol=1e-2 * ref.float().abs().max().item()), (cfg, ko)
 
 
 def test_bench_smoke_cpu():

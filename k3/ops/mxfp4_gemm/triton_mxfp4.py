@@ -35,6 +35,15 @@ experts without rows cost a program that exits after the search. So each decoded
 (prefill: BM = 256), and decode (BM = 16, one tile per active expert) streams each active expert's weights
 once. With K splits > 1 each program sums a K range into an fp32 partial [split, S, N]; the host adds the
 partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are not written.
+
+Split rows (`Mxfp4Tiles.split_rows`, BM >= 128): an expert's last tile rarely fills BM rows (kimi-k3
+prefill 8192: ~146 rows per expert in 256-row tiles, 43% of the MMA rows padding). A tile of n <= 3 BM / 4
+rows takes a branch with narrower MMAs on the same decoded weight tile: one BM / 2-row dot for n <= BM / 2,
+else a BM / 2-row dot plus a BM / 8- or BM / 4-row dot for the next rows -- each weight tile is still
+decoded once per K step, and 146 rows cost 128 + 32 MMA rows.
+
+`_mxfp4_dequant` decodes whole experts into a scratch (the same decode, both byte orders): the first half
+of the many-rows-per-expert path of `k3.ops.mxfp4_gemm.mxfp4_grouped_mm` (`Mxfp4GemmConfig`).
 """
 
 from __future__ import annotations
