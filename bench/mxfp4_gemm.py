@@ -25,7 +25,7 @@ tiles and prints per configuration the registers, shared memory, whether the MMA
 the instruction mix of the K loop's body (SASS), per decoded weight and thread.
 
 Usage: python bench/mxfp4_gemm.py [--shapes k3-small,kimi-k3] [--batches 1,2,4,8,16,32,64]
-       [--prefill 8192] [--reps 50] [--sweep] [--eager]
+       [--prefill 8192] [--reps 50] [--sweep [prefill]] [--eager]
        python bench/mxfp4_gemm.py --smoke     # CPU: tiny shapes, reference path, correctness only
        python bench/mxfp4_gemm.py --sass      # CPU: compile for sm_90, print the K loop's instructions
 """
@@ -186,7 +186,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_counts: list[tuple[str, int]],
-                 reps: int, dev: str, gen: torch.Generator, do_sweep: bool = False) -> list[str]:
+                 reps: int, dev: str, gen: torch.Generator, do_sweep: str | None = None) -> list[str]:
     from k3.ops.mxfp4_gemm import to_kernel_order
     from k3.ops.mxfp4_gemm import uses_dequant
     from k3.ops.mxfp4_gemm.triton_mxfp4 import pick_tiles
@@ -223,7 +223,7 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
                     f"{t_ref / t_new:.2f}x | {t_off:.4f} | {t_ref / t_off:.2f}x | {gbs:.0f} | {ratio:.2f}x | "
                     f"{err:.1e} | {path} |")
         print(rows[-1], flush=True)
-        if do_sweep:
+        if do_sweep == "all" or (do_sweep == "prefill" and label.startswith("prefill")):
             res = sweep(x, packed, packed_k if ko else None, scale, offs, y_ref, reps, dev)
             for ms, t in res:
                 print(f"#   {ms:.4f} ms ({t_ref / ms:.2f}x bf16)  {t}", flush=True)
@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference path")
     ap.add_argument("--model", default="k3-small", help="preset for the model forward timing ('' = skip)")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles and print the best")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "prefill"],
+                    help="also time candidate tiles and print the best (at every token count, or prefill only)")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graphs")
     ap.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU) and print the K loop's SASS")
