@@ -5,8 +5,8 @@
 
 On CUDA the Triton kernel of `triton_mxfp4.py` dequantises tiles in registers (the weights stay 4.25 bits
 per weight in memory); with many rows per expert (bf16 prefill, `Mxfp4GemmConfig`) it instead decodes the
-experts into a bf16 scratch and runs torch._grouped_mm (the decode is then small next to the GEMM); on the CPU the per-expert loop of `reference.py` decodes exactly and multiplies in
-fp32. Both read `offs` as torch._grouped_mm does (each expert's end row). CI runs the Triton kernel on CPU
+experts into a bf16 scratch and runs torch._grouped_mm (the decode is then small next to the GEMM); on
+the CPU the per-expert loop of `reference.py` decodes exactly and multiplies in fp32. Both read `offs` as torch._grouped_mm does (each expert's end row). CI runs the Triton kernel on CPU
 tensors under TRITON_INTERPRET=1.
 """
 
