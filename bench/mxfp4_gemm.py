@@ -25,7 +25,7 @@ tiles and prints per configuration the registers, shared memory, whether the MMA
 the instruction mix of the K loop's body (SASS), per decoded weight and thread.
 
 Usage: python bench/mxfp4_gemm.py [--shapes k3-small,kimi-k3] [--batches 1,2,4,8,16,32,64]
-       [--prefill 8192] [--reps 50] [--sweep] [--eager]
+       [--prefill 8192] [--reps 50] [--sweep [prefill]] [--eager]
        python bench/mxfp4_gemm.py --smoke     # CPU: tiny shapes, reference path, correctness only
        python bench/mxfp4_gemm.py --sass      # CPU: compile for sm_90, print the K loop's instructions
 """
@@ -106,7 +106,9 @@ def timed(fn, reps: int, dev: str) -> float:
 def candidates(rows: int, E: int) -> list:
     """The --sweep set for S = rows over E experts: weight-streaming tiles (BM 16) at a few rows per
     expert, larger row tiles otherwise, each with a K order / decode variant (Mxfp4Tiles.perm / asm; the
-    first of each list is the previous kernel); the default (pick_tiles) is timed separately."""
+    first of each list is the previous kernel); at prefill also "dequant" (decode into a bf16 scratch +
+    torch._grouped_mm, `Mxfp4GemmConfig`). The default (pick_tiles / the config's rule) is timed
+    separately."""
     from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles as T
 
     if rows <= 16 * E:
@@ -115,21 +117,53 @@ def candidates(rows: int, E: int) -> list:
     if rows <= 64 * E:
         return [T(bm, bn, bk, w, st) for bm, bn, bk, w, st in
                 [(32, 128, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3)]]
-    return [T(256, 128, 64, 8, 3, perm=0, asm=False), T(256, 128, 64, 8, 3, perm=4), T(256, 128, 64, 8, 4, perm=4),
-            T(128, 128, 64, 8, 3, perm=4), T(128, 256, 64, 8, 3, perm=4)]
+    return [T(256, 128, 64, 8, 3, perm=4), T(256, 128, 64, 8, 3, perm=4, split_rows=True),
+            T(256, 128, 64, 8, 4, perm=4, split_rows=True), T(128, 128, 64, 4, 3, perm=4, split_rows=True),
+            "dequant"]
+
+
+def _dequant_fits(E: int, N: int, K: int, dev: str) -> bool:
+    """Whether a bf16 scratch of the whole stack fits beside what the bench holds (kimi-k3: it does not)."""
+    return dev != "cuda" or E * N * K * 2 < 0.8 * torch.cuda.mem_get_info()[0]
+
+
+def dequant_alone(packed_k, scale, reps: int, dev: str) -> None:
+    """Time the decode into a bf16 scratch alone (the default and two other row blocks / warps)."""
+    from k3.ops.mxfp4_gemm import mxfp4_dequant
+    from k3.ops.mxfp4_gemm.triton_mxfp4 import mxfp4_dequant_triton
+
+    gb = (packed_k.numel() * 5 + scale.numel()) / 1e6  # read packed + scale, write 4 bytes per packed byte
+    ms = timed(lambda: mxfp4_dequant(packed_k, scale, kernel_order=True), reps, dev)
+    print(f"#   dequant alone (default): {ms:.4f} ms ({gb / ms:.0f} GB/s read + written)", flush=True)
+    if dev == "cuda":
+        for br, w in ((64, 8), (16, 4)):
+            ms = timed(lambda: mxfp4_dequant_triton(packed_k, scale, True, block_rows=br, warps=w), reps, dev)
+            print(f"#   dequant alone (block_rows {br}, {w} warps): {ms:.4f} ms ({gb / ms:.0f} GB/s)", flush=True)
 
 
 def sweep(x, packed, packed_k, scale, offs, y_ref, reps: int, dev: str) -> list[tuple[float, object]]:
-    """(ms, tiles) of each candidate that runs and agrees with y_ref, fastest first (packed_k: the bytes in
-    kernel order for perm-4 candidates, None to skip those)."""
+    """(ms, candidate) of each candidate that runs and agrees with y_ref, fastest first (packed_k: the bytes
+    in kernel order for perm-4 candidates and "dequant", None to skip those)."""
+    from k3.ops.mxfp4_gemm import Mxfp4GemmConfig, mxfp4_dequant
+
+    E, N = packed.shape[:2]
+    K = x.shape[1]
     out = []
-    for t in candidates(x.shape[0], packed.shape[0]):
-        if t.perm == 4 and packed_k is None:
+    for t in candidates(x.shape[0], E):
+        if t == "dequant":
+            if packed_k is None or not _dequant_fits(E, N, K, dev):
+                print(f"#   dequant: skipped (kernel order needed; a {E * N * K * 2 / 1e9:.1f} GB scratch must fit)")
+                continue
+            cfg = Mxfp4GemmConfig(dequant_rows_per_expert=1, dequant_max_bytes=1 << 62)
+            fn = lambda: mxfp4_grouped_mm(x, packed_k, scale, offs, kernel_order=True, config=cfg)  # noqa: E731
+            dequant_alone(packed_k, scale, reps, dev)
+        elif t.perm == 4 and packed_k is None:
             continue
-        fn = lambda: mxfp4_grouped_mm(x, packed_k if t.perm == 4 else packed, scale, offs, tiles=t,  # noqa: E731
-                                      kernel_order=t.perm == 4)
+        else:
+            fn = lambda: mxfp4_grouped_mm(x, packed_k if t.perm == 4 else packed, scale, offs, tiles=t,  # noqa: E731
+                                          kernel_order=t.perm == 4)
         try:
-            err = rel_err(fn().float(), y_ref)
+            err = rel_err(fn(), y_ref)
         except Exception as e:  # noqa: BLE001 -- a tile that does not compile (resources) is skipped
             print(f"#   {t}: failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
             continue
@@ -141,12 +175,20 @@ def sweep(x, packed, packed_k, scale, offs, y_ref, reps: int, dev: str) -> list[
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    """max |y - ref| / max |ref| over [S, N] outputs, in row chunks (kimi-k3 prefill's fp32 copies would not
+    fit beside the weights)."""
+    diff, top = 0.0, 0.0
+    for i in range(0, max(ref.shape[0], 1), 8192):
+        r = ref[i:i + 8192].float()
+        diff = max(diff, (y[i:i + 8192].float() - r).abs().max().item() if r.numel() else 0.0)
+        top = max(top, r.abs().max().item() if r.numel() else 0.0)
+    return diff / max(top, 1e-30)
 
 
 def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_counts: list[tuple[str, int]],
-                 reps: int, dev: str, gen: torch.Generator, do_sweep: bool = False) -> list[str]:
+                 reps: int, dev: str, gen: torch.Generator, do_sweep: str | None = None) -> list[str]:
     from k3.ops.mxfp4_gemm import to_kernel_order
+    from k3.ops.mxfp4_gemm import uses_dequant
     from k3.ops.mxfp4_gemm.triton_mxfp4 import pick_tiles
 
     packed = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=dev)
@@ -169,24 +211,25 @@ def bench_matrix(name: str, mat: str, E: int, k: int, N: int, K: int, token_coun
             ref = lambda: mxfp4_grouped_mm(x.float(), packed, scale, offs, use_triton=False)  # noqa: E731
         new = lambda: mxfp4_grouped_mm(x, packed_k, scale, offs, kernel_order=ko)  # noqa: E731
         off = lambda: mxfp4_grouped_mm(x, packed, scale, offs)  # noqa: E731
-        y_ref = ref().float()
-        err = max(rel_err(new().float(), y_ref), rel_err(off().float(), y_ref))
+        y_ref = ref()
+        err = max(rel_err(new(), y_ref), rel_err(off(), y_ref))
         if err > 2e-2:
             raise AssertionError(f"{name} {mat} {label}: MXFP4 GEMM differs from bf16 by {err:.2e} (relative)")
         t_ref, t_new, t_off = timed(ref, reps, dev), timed(new, reps, dev), timed(off, reps, dev)
+        path = "dequant + grouped_mm" if dev == "cuda" and uses_dequant(S, E, N, K, x.dtype) else "fused"
         active = int((offs.diff(prepend=offs.new_zeros(1)) > 0).sum())
         gbs = (packed.numel() + scale.numel()) * (active / E) / t_new / 1e6
         rows.append(f"| {name} | {mat} [{N}, {K}] | {label} | {S} | {t_ref:.4f} | {t_new:.4f} | "
                     f"{t_ref / t_new:.2f}x | {t_off:.4f} | {t_ref / t_off:.2f}x | {gbs:.0f} | {ratio:.2f}x | "
-                    f"{err:.1e} |")
+                    f"{err:.1e} | {path} |")
         print(rows[-1], flush=True)
-        if do_sweep:
+        if do_sweep == "all" or (do_sweep == "prefill" and label.startswith("prefill")):
             res = sweep(x, packed, packed_k if ko else None, scale, offs, y_ref, reps, dev)
             for ms, t in res:
                 print(f"#   {ms:.4f} ms ({t_ref / ms:.2f}x bf16)  {t}", flush=True)
             if res:
                 print(f"# best {name} {mat} {label}: {res[0][1]} {res[0][0]:.4f} ms "
-                      f"({t_ref / res[0][0]:.2f}x bf16); default {pick_tiles(S, E, N, K)} {t_new:.4f} ms",
+                      f"({t_ref / res[0][0]:.2f}x bf16); default {path} {pick_tiles(S, E, N, K)} {t_new:.4f} ms",
                       flush=True)
     return rows
 
@@ -251,7 +294,7 @@ def sass_row(label: str, t) -> str:
     aligned = [i for i, n in enumerate(names) if n not in ("N", "E")]  # pointers, K and strides: multiples of 16
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     consts = dict(EP=1024, BM=t.bm, BN=t.bn, BK=t.bk, W_UP=1.0, Y_UP=float(2 ** tm.SHIFT_BITS), F32_DOT=False,
-                  PERM=t.perm, ASM=t.asm)
+                  PERM=t.perm, ASM=t.asm, SPLIT_ROWS=t.split_rows)
     sig = dict(zip(names, types)) | {k: "constexpr" for k in consts}
     src = ASTSource(fn=tm._mxfp4_gmm, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -296,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference path")
     ap.add_argument("--model", default="k3-small", help="preset for the model forward timing ('' = skip)")
-    ap.add_argument("--sweep", action="store_true", help="also time candidate tiles and print the best")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "prefill"],
+                    help="also time candidate tiles and print the best (at every token count, or prefill only)")
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graphs")
     ap.add_argument("--inner", type=int, default=10, help="calls per CUDA graph replay")
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 (no GPU) and print the K loop's SASS")
@@ -317,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     timing = "eager calls" if args.eager or dev == "cpu" else f"CUDA graphs of {TIMING['inner']} calls"
     print(f"device: {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (smoke)'}; timing: {timing}")
     print("| shape | matrix | tokens | rows | bf16 ms | mxfp4 ms | speed-up | mxfp4 official layout ms | speed-up "
-          "| mxfp4 GB/s (active experts) | memory ratio | max rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| mxfp4 GB/s (active experts) | memory ratio | max rel. diff | mxfp4 path (kernel order) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in shapes:
         if name not in SHAPES:
             print(f"error: unknown shape {name!r}; known: {sorted(SHAPES)}", file=sys.stderr)

@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from k3.ops.mxfp4_gemm import from_kernel_order, mxfp4_grouped_mm, to_kernel_order  # noqa: E402
+from k3.ops.mxfp4_gemm import (Mxfp4GemmConfig, from_kernel_order, mxfp4_dequant, mxfp4_grouped_mm,  # noqa: E402
+                               to_kernel_order, uses_dequant)
 from k3.ops.mxfp4_gemm.triton_mxfp4 import Mxfp4Tiles  # noqa: E402
 from k3.ops.mxfp4_gemm.reference import mxfp4_gmm_reference  # noqa: E402
 from k3.quant.mxfp4 import decode_mxfp4  # noqa: E402
@@ -49,6 +50,8 @@ def _spec64(x, packed, scale, counts):
     ([5, 9, 0, 2], 48, 128, None),             # default tile choice (decode tiles)
     ([1, 0, 2, 1], 64, 256, Mxfp4Tiles(16, 16, 32, 4, 1, split_k=3)),  # split K (8 K tiles in 3 ranges)
     ([0, 130, 0, 7], 24, 64, Mxfp4Tiles(128, 16, 64, 4, 1)),  # prefill-size row tiles, rows over two of them
+    # narrower MMAs for last tiles: 0..64 rows -> 64, 65..80 -> 64 + 16, 81..96 -> 64 + 32, else 128
+    ([150, 70, 0, 85, 100, 20, 80, 96, 97], 24, 64, Mxfp4Tiles(128, 16, 64, 4, 1, split_rows=True)),
 ])
 def test_kernel_fp32_against_spec(counts, N, K, tiles):
     """fp32 activations: the kernel equals the float64 spec to fp32 rounding, the reference too."""
@@ -66,14 +69,20 @@ def test_kernel_fp32_against_spec(counts, N, K, tiles):
     assert (ref.cpu().double() - want).abs().max().item() <= tol
 
 
-def test_kernel_bf16_matches_reference():
+@pytest.mark.parametrize("counts,tiles,ko", [
+    ([4, 0, 17], SMALL, False),
+    # every split_rows branch (64, 64 + 16, 64 + 32, 128 rows), kernel-order bytes (the GPU's asm decode)
+    ([150, 70, 0, 85, 20, 97], Mxfp4Tiles(128, 64, 64, 4, 2, perm=4, split_rows=True), True),
+])
+def test_kernel_bf16_matches_reference(counts, tiles, ko):
     """bf16 activations: bf16-rounded outputs of the same fp32 sums (at most one bf16 ulp apart)."""
     g = torch.Generator().manual_seed(1)
-    counts, N, K = [4, 0, 17], 32, 64
-    packed, scale = _weights(3, N, K, g)
+    N, K = 64, 128
+    packed, scale = _weights(len(counts), N, K, g)
     x = torch.randn(sum(counts), K, generator=g).to(DEV, torch.bfloat16)
     offs = _offs(counts)
-    y = mxfp4_grouped_mm(x, packed, scale, offs, tiles=SMALL, use_triton=True)
+    y = mxfp4_grouped_mm(x, to_kernel_order(packed) if ko else packed, scale, offs, tiles=tiles,
+                         use_triton=True, kernel_order=ko)
     want = _spec64(x, packed, scale, counts)
     assert y.dtype == torch.bfloat16
     assert torch.allclose(y.cpu().double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
@@ -121,6 +130,48 @@ def test_k_orders_decode_exactly(perm, bk, dtype):
         assert torch.equal(y[e * K:(e + 1) * K].float(), w.t()), e
 
 
+@pytest.mark.parametrize("kernel_order", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_exact(kernel_order, dtype):
+    """The Triton decode into a scratch equals decode_mxfp4 bit for bit over the exact scale range (E8M0
+    bytes 34..160), both byte orders; rows not a multiple of the kernel's row block."""
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (3, 7, 64), dtype=torch.uint8, generator=g).to(DEV)
+    scale = torch.randint(34, 161, (3, 7, 4), dtype=torch.uint8, generator=g).to(DEV)
+    want = decode_mxfp4(packed.cpu(), scale.cpu(), dtype=dtype)
+    got = mxfp4_dequant(to_kernel_order(packed) if kernel_order else packed, scale, kernel_order=kernel_order,
+                        dtype=dtype, use_triton=True)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want)
+    ref = mxfp4_dequant(to_kernel_order(packed) if kernel_order else packed, scale, kernel_order=kernel_order,
+                        dtype=dtype, use_triton=False)
+    assert torch.equal(ref.cpu(), want)
+    with pytest.raises(ValueError, match="scale"):
+        mxfp4_dequant(packed, scale[..., :2].contiguous())
+
+
+def test_dequant_route():
+    """Many rows per expert in bf16: decode into a scratch + torch._grouped_mm, the same bits as
+    torch._grouped_mm on the decoded weights; the rule reads host values only."""
+    assert uses_dequant(65536, 64, 1024, 512, torch.bfloat16)  # k3-small prefill 8192: 1024 rows per expert
+    assert not uses_dequant(131072, 896, 6144, 3584, torch.bfloat16)  # kimi-k3 prefill: 146 rows per expert
+    assert not uses_dequant(896 * 1024, 896, 6144, 3584, torch.bfloat16)  # a 39 GB scratch: over the limit
+    assert not uses_dequant(65536, 64, 1024, 512, torch.float32)
+    assert not uses_dequant(65536, 64, 1020, 512, torch.bfloat16)  # N not a multiple of 8
+    assert not uses_dequant(65536, 64, 1024, 512, torch.bfloat16, Mxfp4GemmConfig(dequant_rows_per_expert=0))
+    with pytest.raises(ValueError):
+        Mxfp4GemmConfig(dequant_rows_per_expert=-1)
+    g = torch.Generator().manual_seed(6)
+    counts, N, K = [3, 0, 9], 24, 128
+    packed, scale = _weights(3, N, K, g)
+    x = torch.randn(sum(counts), K, generator=g).to(DEV, torch.bfloat16)
+    offs = _offs(counts)
+    cfg = Mxfp4GemmConfig(dequant_rows_per_expert=1)
+    assert uses_dequant(x.shape[0], 3, N, K, x.dtype, cfg)
+    y = mxfp4_grouped_mm(x, to_kernel_order(packed), scale, offs, kernel_order=True, use_triton=True, config=cfg)
+    w = decode_mxfp4(packed, scale, dtype=torch.bfloat16)
+    assert torch.equal(y, torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
 def test_pick_tiles():
     """Decode tiles at a few rows per expert (narrower N tiles while the grid is small), larger row
     tiles with more rows."""
@@ -134,6 +185,8 @@ def test_pick_tiles():
     assert pick_tiles(65536, 64, 1024, 512) == PREFILL_TILES
     with pytest.raises(ValueError, match="bk"):
         Mxfp4Tiles(16, 16, 48, 4, 1)
+    with pytest.raises(ValueError, match="split_rows"):
+        Mxfp4Tiles(64, 16, 64, 4, 1, split_rows=True)
 
 
 def test_bad_inputs():
@@ -154,16 +207,21 @@ def test_bad_inputs():
 @pytest.mark.parametrize("E,N,K,tokens,top_k", [(64, 1024, 512, 8, 8), (64, 512, 512, 4096, 8),
                                                 (32, 6144, 3584, 16, 16), (32, 3584, 3072, 2048, 16)])
 def test_gpu_real_sizes(E, N, K, tokens, top_k):
-    """k3-small and (a slice of) kimi-k3 expert shapes, decode and prefill tile choices, bf16."""
+    """k3-small and (a slice of) kimi-k3 expert shapes, decode and prefill tile choices, bf16; at prefill
+    both paths (decode + torch._grouped_mm where the rule takes it, and the fused kernel)."""
     g = torch.Generator().manual_seed(2)
     packed, scale = _weights(E, N, K, g)
     idx = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).flatten()
     counts = torch.bincount(idx, minlength=E).tolist()
     x = (torch.randn(sum(counts), K, generator=g) * 0.1).to(DEV, torch.bfloat16)
     offs = _offs(counts)
-    y = mxfp4_grouped_mm(x, packed, scale, offs)
     ref = mxfp4_gmm_reference(x, packed, scale, offs)
-    assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-2 * ref.float().abs().max().item())
+    for cfg in (Mxfp4GemmConfig(), Mxfp4GemmConfig(dequant_rows_per_expert=0)):
+        for ko in (False, True):
+            y = mxfp4_grouped_mm(x, to_kernel_order(packed) if ko else packed, scale, offs, kernel_order=ko,
+                                 config=cfg)
+            assert torch.allclose(y.float(), ref.float(), rtol=2 ** -7,
+                                  atol=1e-2 * ref.float().abs().max().item()), (cfg, ko)
 
 
 def test_bench_smoke_cpu():

@@ -35,6 +35,15 @@ experts without rows cost a program that exits after the search. So each decoded
 (prefill: BM = 256), and decode (BM = 16, one tile per active expert) streams each active expert's weights
 once. With K splits > 1 each program sums a K range into an fp32 partial [split, S, N]; the host adds the
 partials (a fixed order: deterministic) and casts. Rows at or past offs[-1] are not written.
+
+Split rows (`Mxfp4Tiles.split_rows`, BM >= 128): an expert's last tile rarely fills BM rows (kimi-k3
+prefill 8192: ~146 rows per expert in 256-row tiles, 43% of the MMA rows padding). A tile of n <= 3 BM / 4
+rows takes a branch with narrower MMAs on the same decoded weight tile: one BM / 2-row dot for n <= BM / 2,
+else a BM / 2-row dot plus a BM / 8- or BM / 4-row dot for the next rows -- each weight tile is still
+decoded once per K step, and 146 rows cost 128 + 32 MMA rows.
+
+`_mxfp4_dequant` decodes whole experts into a scratch (the same decode, both byte orders): the first half
+of the many-rows-per-expert path of `k3.ops.mxfp4_gemm.mxfp4_grouped_mm` (`Mxfp4GemmConfig`).
 """
 
 from __future__ import annotations
@@ -187,10 +196,38 @@ def _find_tile(offs_ptr, E, t, EP: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _x_part(X, m0, r1, stride_xm, BM: tl.constexpr, BK: tl.constexpr):
+    """Pointers to the first K tile of rows m0 .. m0 + BM - 1 of X, and the mask of those below r1."""
+    ms = m0 + tl.arange(0, BM)
+    return X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :], ms < r1
+
+
+@triton.jit
+def _x_tile(x_ptrs, mmask, kt, BM: tl.constexpr, BK: tl.constexpr, PERM: tl.constexpr):
+    """K tile kt of a row part ([BM, BK], zero rows past the mask) in the kernel's K order."""
+    xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
+    if PERM != 4:  # kernel-order bytes are decoded in K order
+        xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
+    return xt
+
+
+@triton.jit
+def _store_part(Y, acc, ks, m0, r1, ns, nmask, stride_ym, stride_ys, BM: tl.constexpr, Y_UP: tl.constexpr):
+    """acc [BN, BM] (rows m0 .. m0 + BM - 1, those below r1 stored) times Y_UP = 2^SHIFT (1 for fp16):
+    exact, undoes the weights' 2^-SHIFT."""
+    ms = m0 + tl.arange(0, BM)
+    y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
+    tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & (ms < r1)[None, :])
+
+
+@triton.jit
 def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
-          stride_se, stride_sn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, W_UP: tl.constexpr,
-          Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr, ASM: tl.constexpr):
-    """Rows m0 .. min(m0 + BM, r1) - 1 of expert e times N tile pn over K split ks (`_mxfp4_gmm`)."""
+          stride_se, stride_sn, BM: tl.constexpr, BMB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
+          ASM: tl.constexpr):
+    """Rows m0 .. min(m0 + BM + BMB, r1) - 1 of expert e times N tile pn over K split ks (`_mxfp4_gmm`):
+    one decoded weight tile per K step feeds a BM-row dot and, if BMB > 0, a BMB-row dot for the next
+    BMB rows (so an expert's 146 rows cost 128 + 32 MMA rows, not 256)."""
     # this program's K tiles (loop over tile indices: offsets are constant multiples, so the compiler
     # knows their alignment and vectorises the loads)
     kt_all = K // BK
@@ -198,8 +235,6 @@ def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, 
     kt_lo = ks * kt_per
     kt_hi = tl.where(m0 < r1, tl.minimum(kt_all, kt_lo + kt_per), kt_lo)  # no rows: an empty loop
     G: tl.constexpr = BK // 32
-    ms = m0 + tl.arange(0, BM)
-    mmask = ms < r1
     ns = pn * BN + tl.arange(0, BN)
     nmask = ns < N
     gs = tl.arange(0, G)
@@ -207,45 +242,89 @@ def _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, 
     p_ptrs = (P + e64 * stride_pe + ns.to(tl.int64)[:, None, None] * stride_pn + gs[None, :, None] * 16
               + tl.arange(0, 16)[None, None, :])
     s_ptrs = S + e64 * stride_se + ns.to(tl.int64)[:, None] * stride_sn + gs[None, :]
-    x_ptrs = X + ms.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BK)[None, :]
+    x_ptrs, mmask = _x_part(X, m0, r1, stride_xm, BM, BK)
     acc = tl.zeros([BN, BM], tl.float32)
+    if BMB > 0:
+        xb_ptrs, mmask_b = _x_part(X, m0 + BM, r1, stride_xm, BMB, BK)
+        acc_b = tl.zeros([BN, BMB], tl.float32)
     for kt in range(kt_lo, kt_hi):
         p = tl.load(p_ptrs + kt * (BK // 2), mask=nmask[:, None, None], other=0)
         s = tl.load(s_ptrs + kt * G, mask=nmask[:, None], other=127)
-        xt = tl.load(x_ptrs + kt * BK, mask=mmask[:, None], other=0.0)
-        if PERM != 4:  # kernel-order bytes are decoded in K order
-            xt = _k_order(tl.reshape(xt, (BM, BK // 2, 2)), BK, PERM)
+        xt = _x_tile(x_ptrs, mmask, kt, BM, BK, PERM)
         if F32_DOT or INTERPRETED:  # fp32 exactly; the interpreter's half-precision dot is wrong
             w = _decode_tile(p, s, tl.float32, W_UP, BK, PERM, False)
             acc = tl.dot(w, tl.trans(xt.to(tl.float32)), acc, input_precision="ieee")
+            if BMB > 0:
+                xb = _x_tile(xb_ptrs, mmask_b, kt, BMB, BK, PERM)
+                acc_b = tl.dot(w, tl.trans(xb.to(tl.float32)), acc_b, input_precision="ieee")
         else:
             w = _decode_tile(p, s, xt.dtype, W_UP, BK, PERM, ASM and xt.dtype == tl.bfloat16)
             acc = tl.dot(w, tl.trans(xt), acc)
-    y_ptrs = Y + ks.to(tl.int64) * stride_ys + ms.to(tl.int64)[None, :] * stride_ym + ns[:, None]
-    # times Y_UP = 2^SHIFT (1 for fp16): exact, undoes the weights' 2^-SHIFT
-    tl.store(y_ptrs, cvt(acc * Y_UP, Y.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+            if BMB > 0:
+                acc_b = tl.dot(w, tl.trans(_x_tile(xb_ptrs, mmask_b, kt, BMB, BK, PERM)), acc_b)
+    _store_part(Y, acc, ks, m0, r1, ns, nmask, stride_ym, stride_ys, BM, Y_UP)
+    if BMB > 0:
+        _store_part(Y, acc_b, ks, m0 + BM, r1, ns, nmask, stride_ym, stride_ys, BMB, Y_UP)
 
 
 @triton.jit
 def _mxfp4_gmm(X, P, S, Y, offs_ptr, N, K, E, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
                stride_se, stride_sn, EP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                W_UP: tl.constexpr, Y_UP: tl.constexpr, F32_DOT: tl.constexpr, PERM: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     """Y[k split, r, n] = 2^SHIFT sum over k in the split's range of X[r, k] W_e[n, k] * 2^-SHIFT for the
     rows r of expert e. X [S, K] unit column stride; P uint8 [E, N, K/2], S uint8 [E, N, K/32] with unit
-    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits)."""
+    last stride; BK (a power of two >= 32) divides K. Grid: (cdiv(N, BN), row-tile slots, K splits).
+    SPLIT_ROWS (BM >= 128): a tile of n <= 3 BM / 4 rows (an expert's last) runs narrower MMAs on the one
+    decoded weight tile: BM / 2 rows if n <= BM / 2, else BM / 2 + BM / 8 or BM / 2 + BM / 4."""
     pn = tl.program_id(0)
     e, m0, r1 = _find_tile(offs_ptr, E, tl.program_id(1), EP, BM)
     ks = tl.program_id(2)
-    _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn, stride_se,
-          stride_sn, BM, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+    if SPLIT_ROWS:
+        n = r1 - m0
+        if n > (3 * BM) // 4:
+            _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+                  stride_se, stride_sn, BM, 0, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+        elif n <= BM // 2:
+            _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+                  stride_se, stride_sn, BM // 2, 0, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+        elif n <= BM // 2 + BM // 8:
+            _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+                  stride_se, stride_sn, BM // 2, BM // 8, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+        else:
+            _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+                  stride_se, stride_sn, BM // 2, BM // 4, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+    else:
+        _tile(X, P, S, Y, e, m0, r1, pn, ks, N, K, stride_xm, stride_ym, stride_ys, stride_pe, stride_pn,
+              stride_se, stride_sn, BM, 0, BN, BK, W_UP, Y_UP, F32_DOT, PERM, ASM)
+
+
+@triton.jit
+def _mxfp4_dequant(P, S, W, R, K, BR: tl.constexpr, BK: tl.constexpr, Y_UP: tl.constexpr,
+                   PERM: tl.constexpr, ASM: tl.constexpr):
+    """W[r, k] = decode(P[r], S[r])[k] for the rows r of P uint8 [R, K/2], S uint8 [R, K/32] (contiguous)
+    into W [R, K] (contiguous): the weights times 2^-SHIFT decoded as in the GEMM, times Y_UP = 2^SHIFT
+    in fp32 (exact), cast. Grid: (cdiv(R, BR), K / BK)."""
+    rs = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    rmask = rs < R
+    kt = tl.program_id(1)
+    G: tl.constexpr = BK // 32
+    gs = tl.arange(0, G)
+    p = tl.load(P + rs[:, None, None] * (K // 2) + kt * (BK // 2) + gs[None, :, None] * 16
+                + tl.arange(0, 16)[None, None, :], mask=rmask[:, None, None], other=0)
+    s = tl.load(S + rs[:, None] * (K // 32) + kt * G + gs[None, :], mask=rmask[:, None], other=127)
+    w = _decode_tile(p, s, tl.bfloat16 if ASM else tl.float32, 1.0, BK, PERM, ASM)
+    tl.store(W + rs[:, None] * K + kt * BK + tl.arange(0, BK)[None, :],
+             cvt(w.to(tl.float32) * Y_UP, W.dtype.element_ty), mask=rmask[:, None])
 
 
 @dataclass(frozen=True)
 class Mxfp4Tiles:
     """Tile shape and launch parameters. bm: rows per tile (>= 16), bn: weight rows (output columns) per
     tile (>= 16), bk: a power of two >= 32 (halved until it divides K), split_k: K ranges per tile summed
-    through fp32 partials (1 = none; clipped to K / bk)."""
+    through fp32 partials (1 = none; clipped to K / bk), perm: the K order (`_k_order`; 4 = kernel-order
+    bytes), asm: the inline-PTX bf16 decode, split_rows: narrower MMAs for an expert's last tile of at
+    most 3 bm / 4 rows (`_mxfp4_gmm`; bm >= 128)."""
 
     bm: int
     bn: int
@@ -255,6 +334,7 @@ class Mxfp4Tiles:
     split_k: int = 1
     perm: int = 3
     asm: bool = True
+    split_rows: bool = False
 
     def __post_init__(self):
         for name in ("bm", "bn", "bk"):
@@ -268,6 +348,8 @@ class Mxfp4Tiles:
             raise ValueError(f"Mxfp4Tiles.perm must be 0, 3 or 4, got {self.perm}")
         if self.perm == 4 and self.bk < 64:
             raise ValueError(f"Mxfp4Tiles: perm 4 (kernel-order bytes) needs bk >= 64, got {self.bk}")
+        if self.split_rows and self.bm < 128:
+            raise ValueError(f"Mxfp4Tiles: split_rows needs bm >= 128 (MMAs of bm / 8 >= 16 rows), got {self.bm}")
 
 
 # Defaults from the tile sweep of `bench/mxfp4_gemm.py --sweep` on an H100 (k3-small and kimi-k3 expert
@@ -277,8 +359,10 @@ class Mxfp4Tiles:
 DECODE_TILES = Mxfp4Tiles(bm=16, bn=128, bk=128, warps=4, stages=3)
 # up to 64 rows per expert
 MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
-# prefill: every decoded weight tile feeds 256 rows
-PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, perm=0)
+# prefill: every decoded weight tile feeds 256 rows; an expert's partly filled last tile runs narrower MMAs
+# (split rows: kimi-k3 at 146 rows per expert 0.92x / 0.93x of bf16 vs 0.76x / 0.78x without, H100). From
+# `Mxfp4GemmConfig.dequant_rows_per_expert` rows per expert the decode + grouped_mm path takes over.
+PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, perm=0, split_rows=True)
 # fewer decode programs than this leave SMs idle (an H100 has 132): narrower N tiles instead
 MIN_PROGRAMS = 128
 
@@ -331,7 +415,30 @@ def mxfp4_gmm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     _mxfp4_gmm[grid](x, packed, scale, out, offs, N, K, E, x.stride(0), N, S * N, N * (K // 2), K // 2,
                      N * (K // 32), K // 32, EP=triton.next_power_of_2(E), BM=t.bm, BN=t.bn, BK=bk,
                      W_UP=w_up, Y_UP=y_up, F32_DOT=x.dtype == torch.float32, PERM=t.perm, ASM=t.asm,
-                     num_warps=t.warps, num_stages=t.stages)
+                     SPLIT_ROWS=t.split_rows, num_warps=t.warps, num_stages=t.stages)
     if split > 1:
         torch.sum(out, 0, out=y) if x.dtype == torch.float32 else y.copy_(out.sum(0))
     return y
+
+
+def mxfp4_dequant_triton(packed: torch.Tensor, scale: torch.Tensor, kernel_order: bool = False,
+                         dtype: torch.dtype = torch.bfloat16, block_rows: int = 32, warps: int = 4) -> torch.Tensor:
+    """packed uint8 [..., N, K/2] (official layout, or kernel order: K a multiple of 64), scale uint8
+    [..., N, K/32], both contiguous -> the decoded weights [..., N, K] of dtype (bf16 / fp16 / fp32), K in
+    order. Exact over the GEMM's scale range (E8M0 bytes 34..160; above: inf); a memory-bound pass (4.25
+    bits read, 16 written per bf16 weight); a program decodes block_rows rows x 256 columns."""
+    K = packed.shape[-1] * 2
+    R = packed.numel() // max(packed.shape[-1], 1)
+    w = torch.empty(*packed.shape[:-1], K, dtype=dtype, device=packed.device)
+    if R == 0 or K == 0:
+        return w
+    bk = _fit_bk(256, K)
+    perm = 4 if kernel_order else 0
+    if perm == 4 and (bk < 64 or K % 64):
+        raise ValueError(f"kernel-order bytes need K a multiple of 64, got K = {K}")
+    br = block_rows
+    asm = packed.is_cuda and dtype == torch.bfloat16
+    _mxfp4_dequant[(triton.cdiv(R, br), K // bk)](packed, scale, w, R, K, BR=br, BK=bk,
+                                                   Y_UP=float(2 ** SHIFT_BITS), PERM=perm, ASM=asm,
+                                                   num_warps=warps)
+    return w
