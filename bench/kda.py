@@ -112,21 +112,10 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
 
 
 def kernel_profile(fn, label, iters=3, top=8):
-    """Per-kernel device time (us per call) of fn, from the torch profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """Per-kernel device time (us per call) of fn, from the torch profiler (bench/kda_profile.py's)."""
+    from bench.kda_profile import kernel_times
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t:
-            rows.append((t / iters, e.key))
-    rows.sort(reverse=True)
+    rows = [(t, name) for name, t, _ in kernel_times(fn, iters)]
     log(f"  kernels of {label}: " + "; ".join(f"{n[:48]} {t:.0f}us" for t, n in rows[:top]))
 
 
