@@ -4,8 +4,8 @@ A speculative step verifies k + 1 tokens per request for the cost of one forward
 At a small batch the forward is bound by reading the weights, so the extra rows are nearly free and
 the step emits tau tokens per request instead of one (tau: the mean acceptance length). At a large
 batch the forward is bound by compute (and, in an MoE, every expert is read anyway), a verify step
-costs close to (k + 1) plain steps, and speculation loses: measured on an H100 with k3-tiny, 1.8-2.0x
-at batch 1 and 0.90-0.95x at batch 8 (docs/draft.md, "Speculation policy").
+costs close to (k + 1) plain steps, and speculation can lose; where the crossover lies depends on the
+model and the GPU (measurements: docs/draft.md, "Speculation policy").
 
 So the engine speculates in a step only while at most `max_batch` requests decode
 (`EngineConfig.speculative_max_batch`; vLLM's `disable_by_batch_size`, the same idea), counting the
@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Speculate in steps with at most this many decoding requests (EngineConfig's default). From the
-# measurements in docs/draft.md (k3-tiny, one H100): speculation wins 1.8-2.0x at batch 1 and loses at
-# batch 8 (0.90-0.95x); 4 is the largest power of two below the loss. bench/spec.py measures batches
-# 1, 2, 4, 8 and 32 on k3-small (draft-all rows: speculation without the limit) to re-derive it.
+# Speculate in steps with at most this many decoding requests (EngineConfig's default): the largest
+# power of two below the batch where k3-tiny's speculation lost on the GPU (docs/draft.md). bench/spec.py's
+# draft-all rows (speculation without the limit) re-derive it for another model.
 DEFAULT_SPEC_MAX_BATCH = 4
 
 

@@ -115,7 +115,7 @@ def mxfp4_dequant(packed: torch.Tensor, scale: torch.Tensor, *, kernel_order: bo
                   dtype: torch.dtype = torch.bfloat16, use_triton: bool | None = None) -> torch.Tensor:
     """packed uint8 [E, N, K/2], scale uint8 [E, N, K/32] (contiguous) -> decoded weights [E, N, K] of
     dtype, K in order. Triton (where it runs): exact for E8M0 bytes 34..160 (the GEMM's range); otherwise
-    `k3.quant.mxfp4.decode_mxfp4` per expert."""
+    `k3.quant.mxfp4.decode_mxfp4` on the whole stack."""
     if packed.dtype != torch.uint8 or packed.dim() < 2 or scale.dtype != torch.uint8 \
             or list(scale.shape) != [*packed.shape[:-1], packed.shape[-1] // 16] or packed.shape[-1] % 16:
         raise ValueError(f"packed must be uint8 [..., N, K/2] and scale uint8 [..., N, K/32] (K a multiple of "

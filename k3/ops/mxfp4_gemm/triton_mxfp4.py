@@ -360,7 +360,7 @@ DECODE_TILES = Mxfp4Tiles(bm=16, bn=128, bk=128, warps=4, stages=3)
 # up to 64 rows per expert
 MID_TILES = Mxfp4Tiles(bm=64, bn=128, bk=128, warps=4, stages=3)
 # prefill: every decoded weight tile feeds 256 rows; an expert's partly filled last tile runs narrower MMAs
-# (split rows: kimi-k3 at 146 rows per expert 0.92x / 0.93x of bf16 vs 0.76x / 0.78x without, H100). From
+# (split rows: the winner at kimi-k3's ~146 rows per expert, docs/quantization.md). From
 # `Mxfp4GemmConfig.dequant_rows_per_expert` rows per expert the decode + grouped_mm path takes over.
 PREFILL_TILES = Mxfp4Tiles(bm=256, bn=128, bk=64, warps=8, stages=3, perm=0, split_rows=True)
 # fewer decode programs than this leave SMs idle (an H100 has 132): narrower N tiles instead
