@@ -62,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "draft-all, ngram-all (-all: no speculation batch limit; skipped where the limit allows the batch)")
     p.add_argument("--budget-seconds", type=float, default=None, help="skip the measured rows still left this long "
                    "after the start (default: none)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="serving dtype of the target and "
+                   "draft (default bfloat16 on GPU, float32 on CPU); float32 on GPU separates bf16 near-tie flips "
+                   "from real output differences")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
     a.preset = a.preset or ("k3-tiny" if a.tiny else "k3-small")
@@ -73,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.prompt_len, a.new_tokens = pick(a.prompt_len, 8, 64), pick(a.new_tokens, 8, 128)
     a.batches = [int(x) for x in (a.batches or ("1,2" if a.tiny else "1,8,32")).split(",")]
     # what bench.draft's engine / measure read
-    a.dtype = "float32" if a.device == "cpu" else "bfloat16"
+    a.dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     a.static_decode, a.warmup, a.profile, a.requests, a.checkpoint = False, "full", None, None, None
     return a
 
