@@ -31,7 +31,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
-from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy
+from k3.serve.spec_policy import SpecPolicy, default_max_batch
 from k3.serve.speculative import make_speculator
 
 
@@ -58,8 +58,9 @@ class EngineConfig:
     speculative_draft_window: draft KV positions kept per request (a ring: the draft attends to about
     the last this many positions; only the acceptance rate depends on it).
     speculative_max_batch: speculate only in steps with at most this many decoding requests (0 = no
-    limit): beyond it a verify step costs more than the tokens it saves (`k3.serve.spec_policy`; the
-    default is measured, docs/draft.md). Steps above it decode plainly and feed the draft nothing.
+    limit): beyond it a verify step costs more than the tokens it saves. None = the measured default of
+    the engine's device type (`k3.serve.spec_policy.DEFAULT_SPEC_MAX_BATCH`: 32 on CUDA, 4 on CPU;
+    docs/draft.md). Steps above it decode plainly and feed the draft nothing.
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -88,7 +89,7 @@ class EngineConfig:
     speculative_max_match: int = 4
     speculative_draft_tokens: int = 4
     speculative_draft_window: int = 1024
-    speculative_max_batch: int = DEFAULT_SPEC_MAX_BATCH
+    speculative_max_batch: int | None = None
 
     def validate(self) -> "EngineConfig":
         for name in ("memory_budget_bytes", "page_size", "unit_size", "max_running", "short_prefill_budget",
@@ -99,6 +100,8 @@ class EngineConfig:
         for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram",
                      "speculative_max_batch"):
             v = getattr(self, name)
+            if v is None and name == "speculative_max_batch":
+                continue
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
         for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens",
@@ -208,7 +211,8 @@ class Engine:
                                    ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
                                     draft, cfg.speculative_draft_tokens, cfg.speculative_draft_window, cfg.max_running)
-        self.spec_policy = SpecPolicy(cfg.speculative_max_batch)
+        self.spec_policy = SpecPolicy(default_max_batch(self.device.type) if cfg.speculative_max_batch is None
+                                      else cfg.speculative_max_batch)
         self.speculating = False  # this step's policy decision: draft, verify, and feed the proposer
 
     # ---- requests ----------------------------------------------------------------------------------

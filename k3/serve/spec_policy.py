@@ -24,17 +24,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Speculate in steps with at most this many decoding requests (EngineConfig's default): the largest
-# power of two below the batch where k3-tiny's speculation lost on the GPU (docs/draft.md). bench/spec.py's
-# draft-all rows (speculation without the limit) re-derive it for another model.
-DEFAULT_SPEC_MAX_BATCH = 4
+# Speculate in steps with at most this many decoding requests, per device type, when
+# EngineConfig.speculative_max_batch is None (docs/draft.md, "Speculation policy"). GPU: k3-small's
+# speculation still wins at batch 32 on an H100 (verify steps are weight-read bound there); CPU: the
+# verify forward is compute-bound, and k3-tiny's speculation loses at batch 8. bench/spec.py's draft-all
+# rows (speculation without the limit) re-derive the crossover for another model or card.
+DEFAULT_SPEC_MAX_BATCH = {"cuda": 32, "cpu": 4}
+
+
+def default_max_batch(device_type: str) -> int:
+    """The measured default limit for a device type ('cuda', 'cpu'; others use the CPU's)."""
+    return DEFAULT_SPEC_MAX_BATCH.get(device_type, DEFAULT_SPEC_MAX_BATCH["cpu"])
 
 
 @dataclass(frozen=True)
 class SpecPolicy:
     """max_batch: speculate only in steps with at most this many decoding requests; 0 = always."""
 
-    max_batch: int = DEFAULT_SPEC_MAX_BATCH
+    max_batch: int = DEFAULT_SPEC_MAX_BATCH["cpu"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_batch, int) or isinstance(self.max_batch, bool) or self.max_batch < 0:

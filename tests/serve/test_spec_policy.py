@@ -14,7 +14,7 @@ from k3.model.draft import DraftConfig, EagleDraft
 from k3.serve.draft_spec import DraftProposer
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.sampling import SamplingParams
-from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy
+from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy, default_max_batch
 from tests.serve.test_draft_spec import SmallVocab, _oracle, _prompts
 
 
@@ -33,12 +33,19 @@ def _engine(model, draft=None, **overrides) -> Engine:
 
 def test_policy_decision_and_config():
     assert SpecPolicy(0).speculate(1000) and SpecPolicy(4).speculate(4) and not SpecPolicy(4).speculate(5)
-    assert SpecPolicy().max_batch == DEFAULT_SPEC_MAX_BATCH == EngineConfig().speculative_max_batch
+    assert EngineConfig().speculative_max_batch is None  # resolved per device type by the engine
+    assert default_max_batch("cuda") == DEFAULT_SPEC_MAX_BATCH["cuda"] == 32
+    assert default_max_batch("cpu") == default_max_batch("mps") == SpecPolicy().max_batch == 4
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="speculation batch limit"):
             SpecPolicy(bad)
     with pytest.raises(ValueError, match="speculative_max_batch"):
         EngineConfig(speculative_max_batch=-1).validate()
+
+
+def test_engine_resolves_the_device_default(model):
+    assert _engine(model).spec_policy.max_batch == default_max_batch("cpu")
+    assert _engine(model, speculative_max_batch=0).spec_policy.max_batch == 0
 
 
 class _NgramOracle:
