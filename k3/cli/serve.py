@@ -55,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-max-batch", type=int, default=None, metavar="N",
                    help="speculate (--draft or --speculative-ngram) only in steps with at most N decoding requests; "
                         "larger steps decode plainly, where verifying costs more than it saves (0: always; "
-                        "default: 32 on CUDA, 4 on CPU, measured: docs/draft.md)")
+                        "default: 8 on CUDA, 4 on CPU, measured: docs/draft.md)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the elementwise regions (fused norms, activations, AttnRes, router); "
                         "on CUDA the compiled kernels are captured in the decode graphs")

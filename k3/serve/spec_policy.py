@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 # Speculate in steps with at most this many decoding requests, per device type, when
 # EngineConfig.speculative_max_batch is None (docs/draft.md, "Speculation policy"). GPU: k3-small's
-# speculation still wins at batch 32 on an H100 (verify steps are weight-read bound there); CPU: the
-# verify forward is compute-bound, and k3-tiny's speculation loses at batch 8. bench/spec.py's draft-all
-# rows (speculation without the limit) re-derive the crossover for another model or card.
-DEFAULT_SPEC_MAX_BATCH = {"cuda": 32, "cpu": 4}
+# speculation wins at batch 8 with every draft measured, while at batch 32 it wins or loses with the
+# draft's acceptance; CPU: the verify forward is compute-bound, and k3-tiny's speculation loses at
+# batch 8. bench/spec.py's draft-all rows (no limit) re-derive the crossover for another model or card.
+DEFAULT_SPEC_MAX_BATCH = {"cuda": 8, "cpu": 4}
 
 
 def default_max_batch(device_type: str) -> int:

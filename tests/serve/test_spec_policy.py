@@ -34,7 +34,7 @@ def _engine(model, draft=None, **overrides) -> Engine:
 def test_policy_decision_and_config():
     assert SpecPolicy(0).speculate(1000) and SpecPolicy(4).speculate(4) and not SpecPolicy(4).speculate(5)
     assert EngineConfig().speculative_max_batch is None  # resolved per device type by the engine
-    assert default_max_batch("cuda") == DEFAULT_SPEC_MAX_BATCH["cuda"] == 32
+    assert default_max_batch("cuda") == DEFAULT_SPEC_MAX_BATCH["cuda"] == 8
     assert default_max_batch("cpu") == default_max_batch("mps") == SpecPolicy().max_batch == 4
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="speculation batch limit"):
