@@ -34,7 +34,7 @@ from k3.draft.ttt import target_pass, ttt_forward  # noqa: E402
 from k3.model.causal_lm import K3ForCausalLM  # noqa: E402
 from k3.model.draft import DraftConfig, EagleDraft, load_draft  # noqa: E402
 from k3.serve.engine import Engine, EngineConfig  # noqa: E402
-from k3.serve.spec_policy import default_max_batch  # noqa: E402
+from k3.serve.spec_policy import resolve_max_batch  # noqa: E402
 from k3.serve.sampling import SamplingParams  # noqa: E402
 
 
@@ -219,7 +219,7 @@ def measure(a: argparse.Namespace, target, draft, modes: list[str], make_prompts
     known = {"plain", "draft", "ngram", "draft-all", "ngram-all"}
     if set(modes) - known:
         raise SystemExit(f"unknown modes {sorted(set(modes) - known)}; choose from {sorted(known)}")
-    limit = a.spec_max_batch if a.spec_max_batch is not None else default_max_batch(torch.device(a.device).type)
+    limit = resolve_max_batch(a.spec_max_batch, torch.device(a.device).type)
     results = []
     for batch in a.batches:
         ref = None

@@ -31,7 +31,7 @@ from k3.serve.model_runner import DecodeRunner, graphs_supported
 from k3.serve.prefix_cache import PrefixCache, PrefixHasher
 from k3.serve.sampling import Detokenizer, NullDetokenizer, SamplingParams, make_rng, sample_batch
 from k3.serve.scheduler import Request, Scheduler, SchedulerConfig
-from k3.serve.spec_policy import SpecPolicy, default_max_batch
+from k3.serve.spec_policy import SpecPolicy, resolve_max_batch
 from k3.serve.speculative import make_speculator
 
 
@@ -59,8 +59,8 @@ class EngineConfig:
     the last this many positions; only the acceptance rate depends on it).
     speculative_max_batch: speculate only in steps with at most this many decoding requests (0 = no
     limit): beyond it a verify step costs more than the tokens it saves. None = the measured default of
-    the engine's device type (`k3.serve.spec_policy.DEFAULT_SPEC_MAX_BATCH`: 32 on CUDA, 4 on CPU;
-    docs/draft.md). Steps above it decode plainly and feed the draft nothing.
+    the engine's device type (`k3.serve.spec_policy.DEFAULT_SPEC_MAX_BATCH`; docs/draft.md). Steps above
+    it decode plainly and feed the draft nothing.
     """
 
     memory_budget_bytes: int = 1 << 30
@@ -97,11 +97,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap", "speculative_ngram",
-                     "speculative_max_batch"):
+        optional = ("speculative_max_batch",) if self.speculative_max_batch is not None else ()
+        for name in ("checkpoint_every_units", "max_checkpoints_per_request", "checkpoint_min_gap",
+                     "speculative_ngram", *optional):
             v = getattr(self, name)
-            if v is None and name == "speculative_max_batch":
-                continue
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 0, got {v!r}")
         for name in ("speculative_min_match", "speculative_max_match", "speculative_draft_tokens",
@@ -211,8 +210,7 @@ class Engine:
                                    ) if graphs or cfg.static_decode else None
         self.spec = make_speculator(self, cfg.speculative_ngram, cfg.speculative_min_match, cfg.speculative_max_match,
                                     draft, cfg.speculative_draft_tokens, cfg.speculative_draft_window, cfg.max_running)
-        self.spec_policy = SpecPolicy(default_max_batch(self.device.type) if cfg.speculative_max_batch is None
-                                      else cfg.speculative_max_batch)
+        self.spec_policy = SpecPolicy(resolve_max_batch(cfg.speculative_max_batch, self.device.type))
         self.speculating = False  # this step's policy decision: draft, verify, and feed the proposer
 
     # ---- requests ----------------------------------------------------------------------------------

@@ -37,6 +37,11 @@ def default_max_batch(device_type: str) -> int:
     return DEFAULT_SPEC_MAX_BATCH.get(device_type, DEFAULT_SPEC_MAX_BATCH["cpu"])
 
 
+def resolve_max_batch(max_batch: int | None, device_type: str) -> int:
+    """`EngineConfig.speculative_max_batch` as the engine applies it: None -> the device type's default."""
+    return default_max_batch(device_type) if max_batch is None else max_batch
+
+
 @dataclass(frozen=True)
 class SpecPolicy:
     """max_batch: speculate only in steps with at most this many decoding requests; 0 = always."""

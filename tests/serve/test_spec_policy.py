@@ -14,7 +14,7 @@ from k3.model.draft import DraftConfig, EagleDraft
 from k3.serve.draft_spec import DraftProposer
 from k3.serve.engine import Engine, EngineConfig
 from k3.serve.sampling import SamplingParams
-from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy, default_max_batch
+from k3.serve.spec_policy import DEFAULT_SPEC_MAX_BATCH, SpecPolicy, default_max_batch, resolve_max_batch
 from tests.serve.test_draft_spec import SmallVocab, _oracle, _prompts
 
 
@@ -36,6 +36,7 @@ def test_policy_decision_and_config():
     assert EngineConfig().speculative_max_batch is None  # resolved per device type by the engine
     assert default_max_batch("cuda") == DEFAULT_SPEC_MAX_BATCH["cuda"] == 8
     assert default_max_batch("cpu") == default_max_batch("mps") == SpecPolicy().max_batch == 4
+    assert resolve_max_batch(None, "cuda") == 8 and resolve_max_batch(0, "cuda") == 0 and resolve_max_batch(2, "cpu") == 2
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="speculation batch limit"):
             SpecPolicy(bad)
