@@ -44,8 +44,8 @@ class Parallel:
         self.model = model
         return model
 
-    def optimizer(self, groups: list[dict[str, Any]], fused: bool = True) -> ShardedPerHeadMuon:
-        return ShardedPerHeadMuon(groups, fused=fused)
+    def optimizer(self, groups: list[dict[str, Any]], fused: bool = True, ns_dtype: str = "auto") -> ShardedPerHeadMuon:
+        return ShardedPerHeadMuon(groups, fused=fused, ns_dtype=ns_dtype)
 
     # ---- one step --------------------------------------------------------------------------------
     def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -163,31 +163,41 @@ class RoutedExperts(nn.Module):
                 h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
                 w2c = w2.to(z.dtype)
             y = _expert_mm(self._transform_input(h), w2c, offs, masters[1])
-        else:  # CPU / fp32: a loop over the experts that received tokens (counts are on the host).
-            # split/unbind/cat keep the backward to one op each, instead of a full-size gradient per slice;
-            # the activation runs once over all slots, as on the GPU path.
-            sizes = counts.tolist()
-            live = [e for e in range(E) if sizes[e]]
-            xe = xs.split(sizes)
-            if not live:
-                y = xs.new_zeros(0, w2.shape[1])
-            else:
-                if torch.is_grad_enabled():  # as the GPU path: gate|up packed, the step's weight copies
-                    w13, w2c, _ = self._train_weights(w1, w3, w2, xs.dtype)
-                    w13s = w13.unbind(0)
-                    ab = torch.cat([xe[e] @ w13s[e].t() for e in live])
-                    h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
-                else:
-                    w1s, w3s, w2c = w1.unbind(0), w3.unbind(0), w2
-                    a = torch.cat([xe[e] @ w1s[e].t() for e in live])
-                    b = torch.cat([xe[e] @ w3s[e].t() for e in live])
-                    h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
-                h = self._transform_input(h)
-                w2s = w2c.unbind(0)
-                y = torch.cat([he @ w2s[e].t() for he, e in zip(h.split([sizes[e] for e in live]), live)])
+        else:
+            y = self._experts_cpu(xs, counts, w1, w3, w2)
         # back in (token, k) order and summed over k in a fixed order (no atomics): a CUDA graph replay
         # and an eager step give identical bits
         return self.kernels.combine(y, w.float(), order, inv)
+
+    def _experts_cpu(self, xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                     w2: torch.Tensor) -> torch.Tensor:
+        """CPU / fp32: a loop over the experts that received tokens (counts are on the host); [S, L] -> [S, L].
+
+        The GEMMs run in the weights' dtype even under CPU autocast: every expert's row count differs per
+        step, and a bf16 CPU GEMM of a new shape pays a kernel generation (oneDNN) that costs more than it
+        saves at these sizes, while fp32 GEMMs (MKL) need none. split/unbind/cat keep the backward to one
+        op each, instead of a full-size gradient per slice; the activation runs once over all slots, as on
+        the GPU path."""
+        sizes = counts.tolist()
+        live = [e for e in range(self.num_experts) if sizes[e]]
+        with torch.autocast("cpu", enabled=False):
+            xs = xs.to(w1.dtype)
+            xe = xs.split(sizes)
+            if not live:
+                return xs.new_zeros(0, w2.shape[1])
+            if torch.is_grad_enabled():  # as the GPU path: gate|up packed, the step's weight copies
+                w13, w2c, _ = self._train_weights(w1, w3, w2, xs.dtype)
+                w13s = w13.unbind(0)
+                ab = torch.cat([xe[e] @ w13s[e].t() for e in live])
+                h = self.kernels.glu_packed(ab, self.act, self.beta, self.beta_lin)
+            else:
+                w1s, w3s, w2c = w1.unbind(0), w3.unbind(0), w2
+                a = torch.cat([xe[e] @ w1s[e].t() for e in live])
+                b = torch.cat([xe[e] @ w3s[e].t() for e in live])
+                h = self.kernels.glu(a, b, self.act, self.beta, self.beta_lin)
+            h = self._transform_input(h)
+            w2s = w2c.unbind(0)
+            return torch.cat([he @ w2s[e].t() for he, e in zip(h.split([sizes[e] for e in live]), live)])
 
     def _train_weights(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor, bool]:

@@ -31,9 +31,9 @@ class SFTConfig(TrainConfig):
     # Default data (no --data): oracle trajectories of the practice worlds' train tasks and generated
     # instruction-following items; held-out tasks / items (never trained on) score the evaluation.
     worlds: list[str] = field(default_factory=lambda: ["mail", "chat", "notes", "course", "assistant"])
-    world_tasks: int = 20  # train tasks per world (each seen about 3 times by default: repetition beat variety)
+    world_tasks: int = 38  # train tasks per world (each seen about 3 times by default: repetition beat variety)
     max_difficulty: int = 3  # world tasks of difficulty 1..max_difficulty (train mix and teacher-forced eval)
-    instruct_items: int = 130
+    instruct_items: int = 250
     # Of the training trajectories, this fraction (evenly spread) declares only the tools it calls plus
     # `lean_distractors` others: the declarations are most of a trajectory's tokens and none of its
     # targets. Held-out trajectories, the validation loss and the episodes keep the world's full list.
@@ -105,7 +105,7 @@ class SFTConfig(TrainConfig):
 # tool declarations (shorter: fewer are cut at the row length), decision tokens weighted 5, a short warmup,
 # about three epochs of a third of the tasks (the tiny model learns a world's tools from repetition).
 SFT_DEFAULTS: dict[str, Any] = {
-    "max_steps": 300, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
+    "max_steps": 600, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
     "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,
-    "eval_every": 120, "save_every": 80,
+    "eval_every": 150, "save_every": 150, "cpu_bf16": True,
 }

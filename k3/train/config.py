@@ -69,6 +69,10 @@ class TrainConfig:
     qb_bins: int = 256
     activation_checkpointing: bool = False
     compile: bool = False
+    # CPU only: train like on CUDA, with bf16 autocast (the model's matmuls and attention; fp32 master
+    # weights, losses, KDA recurrence and expert GEMMs) and Muon's Newton-Schulz in bf16. ~1.5x a step
+    # on CPUs with native bf16 (AVX512-BF16 or AMX); False = fp32 throughout. CUDA always trains this way.
+    cpu_bf16: bool = False
     # Quantisation-aware training of the routed experts (k3.quant.qat): "mxfp4" (weights), "mxfp4,mxfp8"
     # (+ the experts' input activations) or None. The final export then stores the experts packed MXFP4.
     qat: str | None = None
@@ -92,6 +96,9 @@ class TrainConfig:
 
         if self.max_steps < 1:
             bad("max_steps", "must be >= 1")
+        for name in ("activation_checkpointing", "compile", "cpu_bf16"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         if not self.stages:
             bad("stages", "needs at least one stage")
         if abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
@@ -166,6 +173,9 @@ class TrainConfig:
 # warmup and stage fractions here are a starting point in the range public Muon runs of this size
 # use, not the official values.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
+    # k3-tiny is the CPU recipe: bf16 autocast and bf16 Newton-Schulz on the CPU (1.6x a step on a CPU
+    # with native bf16; docs/training.md); the dataclass defaults are otherwise k3-tiny's.
+    "k3-tiny": {"cpu_bf16": True},
     "k3-small": {
         "max_steps": 4000, "tokens_per_step": 1 << 19, "micro_batch_tokens": 1 << 16,
         "stages": [{"seq_len": 8192, "fraction": 0.8}, {"seq_len": 32768, "fraction": 0.15},

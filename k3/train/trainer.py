@@ -24,6 +24,7 @@ from k3.optim.balance_baselines import make_balancer
 from k3.quant.qat import QATConfig, apply_qat
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
+from k3.train.host import keep_freed_memory
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
 from k3.train.metrics import MetricsLog, Progress, balance_record, plot_balance, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_run_config, save_state, set_rng_state, state_path
@@ -58,6 +59,8 @@ class Trainer:
             from k3.distributed.runtime import Parallel
             self.par = Parallel(ep, cp, self.device)
             self.device = self.par.device
+        if self.device.type == "cpu":
+            keep_freed_memory()  # large tensors are reused, not page-faulted in every step (k3.train.host)
         self.main = self.par is None or self.par.is_main
         self.world = 1 if self.par is None else self.par.mesh.world
         self.model_config = self.make_model_config()
@@ -109,7 +112,9 @@ class Trainer:
         groups = param_groups(self.model, geom, cfg)
         self.base_lrs = [g["lr"] for g in groups]
         fused = self.model_config.kernels.muon_fused
-        self.opt = PerHeadMuon(groups, fused=fused) if self.par is None else self.par.optimizer(groups, fused=fused)
+        ns = "bfloat16" if cfg.cpu_bf16 else "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+        self.opt = (PerHeadMuon(groups, fused=fused, ns_dtype=ns) if self.par is None
+                    else self.par.optimizer(groups, fused=fused, ns_dtype=ns))
         self.moe = {i: l.block_sparse_moe for i, l in enumerate(self.model.model.layers)
                     if isinstance(getattr(l, "block_sparse_moe", None), LatentMoE)}
         tc = self.model_config.text_config
@@ -235,8 +240,8 @@ class Trainer:
 
     # ---- loop -----------------------------------------------------------------------------------
     def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.device.type == "cuda" or self.cfg.cpu_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _set_stage(self) -> None:

@@ -59,7 +59,7 @@ def _train(corpus, tmp_path, name, flags, port=None):
     tmp_path.mkdir(exist_ok=True)
     cfg = dict(tokens_per_step=256, stages=[{"seq_len": 64, "fraction": 1.0}], eval_every=100, eval_tokens=256,
                eval_seq_len=64, save_every=100, warmup_steps=2, val_fraction=0.1, model=MODEL,
-               cache_dir=str(tmp_path / "cache"), qb_bins=64)
+               cache_dir=str(tmp_path / "cache"), qb_bins=64, cpu_bf16=False)  # fp32: compare like with like
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     out = tmp_path / name
     args = ["-m", "k3", "train", "--preset", "k3-tiny", "--max-steps", 4, "--seed", 0, "--deterministic",

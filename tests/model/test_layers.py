@@ -445,3 +445,49 @@ def test_mla_triton_kv_expansion_equals_the_torch_path(monkeypatch):
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)  # k_pe's head sum: fp32, another order
     for n in want[2]:
         torch.testing.assert_close(got[2][n], want[2][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("kind", ["causal", "packed", "lower_right"])
+def test_cpu_attention_flash_path_equals_the_fp32_formula(dtype, atol, kind):
+    """The CPU path (PyTorch's flash kernel, v zero-padded to the q/k head size) against the attention
+    spelt out in fp64: output and every gradient, for causal rows, a packed block-diagonal mask and the
+    lower-right causal mask of a cached prefill."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from k3.model.mla import _sdpa, _sdpa_fp32
+
+    torch.manual_seed(0)
+    T, S = (5, 23) if kind == "lower_right" else (23, 23)
+    q, k = (torch.randn(2, 3, n, 24, dtype=dtype, requires_grad=True) for n in (T, S))
+    v = torch.randn(2, 3, S, 16, dtype=dtype, requires_grad=True)
+    seg, pos = (torch.arange(T) >= 9).long(), torch.arange(T)
+    packed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    masks = {"causal": (None, True, None), "packed": (packed, False, None),  # (mask, causal, dense form)
+             "lower_right": (causal_lower_right(T, S), False, torch.ones(T, S, dtype=torch.bool).tril(S - T))}
+    mask, causal, dense = masks[kind]
+    o = _sdpa(q, k, v, mask, causal=causal, scale=0.3)
+    assert o.dtype == dtype and o.shape == (2, 3, T, 16)
+    g = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), g)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = _sdpa_fp32(*ref_in, dense if dense is not None else mask, causal=causal, scale=0.3)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    for got, want in zip((o, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+
+
+def test_routed_experts_cpu_gemms_stay_fp32_under_autocast():
+    """CPU bf16 autocast (`cpu_bf16` training) leaves the expert GEMMs in the weights' fp32: the same
+    output as without autocast for the same input."""
+    cfg = k3_tiny().text_config
+    ex = RoutedExperts(cfg)
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    z = torch.randn(29, cfg.routed_expert_hidden_size).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(cfg.num_experts)[: cfg.num_experts_per_token] for _ in range(29)])
+    w = torch.rand(29, cfg.num_experts_per_token)
+    want = ex(z.float(), idx, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ex(z, idx, w)
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=0)

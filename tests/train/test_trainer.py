@@ -277,3 +277,31 @@ def test_a_corpus_too_small_for_the_recipe_is_refused_up_front(tmp_path, overrid
                        timeout=300, env={**os.environ, "HOME": str(tmp_path)})
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_cpu_bf16_is_close_to_fp32_and_resumes_exactly(corpus, tmp_path, monkeypatch):
+    """`cpu_bf16` (bf16 autocast + bf16 Newton-Schulz on the CPU): the first loss is the fp32 one up to
+    bf16 rounding, both runs learn, and paused-and-resumed == uninterrupted bit for bit."""
+    kw = dict(max_steps=4, stages=[Stage(64, 1.0)], eval_every=100)
+    fp32 = Trainer(_cfg(corpus, tmp_path / "f", tmp_path, **kw)).run()
+    full = Trainer(_cfg(corpus, tmp_path / "a", tmp_path, cpu_bf16=True, **kw)).run()
+    assert fp32.steps == full.steps == 4
+    la, lf = _losses(tmp_path / "a"), _losses(tmp_path / "f")
+    assert la[0] == pytest.approx(lf[0], rel=2e-2) and la[-1] < la[0]
+    real_step = Trainer.train_step
+
+    def interrupting(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    assert Trainer(_cfg(corpus, tmp_path / "b", tmp_path, cpu_bf16=True, **kw)).run().interrupted
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    assert Trainer(_cfg(corpus, tmp_path / "b", tmp_path, cpu_bf16=True, **kw), resume=True).run().steps == 4
+    assert _losses(tmp_path / "b") == la
+
+
+def test_cpu_bf16_must_be_a_bool(corpus, tmp_path):
+    with pytest.raises(Exception, match="cpu_bf16"):
+        _cfg(corpus, tmp_path / "x", tmp_path, cpu_bf16="yes").validate()

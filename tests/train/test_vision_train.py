@@ -186,7 +186,8 @@ def test_train_config_preset_defaults_and_vision_checks():
         got = getattr(vl, k)
         assert (got if k != "stages" else [vars(s) for s in got]) == v, k
     assert TrainConfig.from_dict({"preset": "k3-tiny-vl", "max_steps": 3}).max_steps == 3  # explicit keys win
-    assert TrainConfig.from_dict({}).to_dict() == TrainConfig().to_dict()  # the k3-tiny defaults are untouched
+    # the k3-tiny defaults are the dataclass's, plus the CPU recipe's bf16
+    assert TrainConfig.from_dict({}).to_dict() == TrainConfig(cpu_bf16=True).to_dict()
     for bad in ({"vision_kinds": {}}, {"vision_kinds": {"colour": -1}}, {"vision_batch_size": 0},
                 {"vision_image_size": [20, 56]}, {"vision_train_examples": 4, "vision_batch_size": 8}):
         with pytest.raises(ValueError, match=next(iter(bad)) if len(bad) == 1 else "vision_train_examples"):

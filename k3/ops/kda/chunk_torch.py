@@ -86,26 +86,50 @@ class ChunkLayout:
         """[B, T, H, *D] -> [n_chunks, H, C, *D] in `dtype` (padding slots are zero)."""
         flat = x.to(dtype).reshape(self.n_tokens, *x.shape[2:])
         if self.tok_idx is not None:
-            flat = torch.cat((flat, flat.new_zeros(1, *flat.shape[1:])))[self.tok_idx]
+            flat = _Gather.apply(flat, self.tok_idx, self.out_idx, flat.new_zeros(flat.shape[1:]))
         return flat.reshape(self.n_chunks, self.C, *flat.shape[1:]).transpose(1, 2).contiguous()
 
     def from_chunks(self, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """[n_chunks, H, C, D] -> [B, T, H, D]."""
         flat = x.transpose(1, 2).reshape(self.n_chunks * self.C, *x.shape[1:2], *x.shape[3:])
         if self.out_idx is not None:
-            flat = flat[self.out_idx]
+            flat = _Gather.apply(flat, self.out_idx, self.tok_idx, None)
         return flat.reshape(B, T, *flat.shape[1:])
 
     def to_grid(self, x: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
         """Per-chunk [n_chunks, *R] -> [N, max_chunks, *R]; empty cells take `fill` [*R]."""
         if self.grid_idx is not None:
-            x = torch.cat((x, fill.unsqueeze(0).to(x.dtype)))[self.grid_idx]
+            x = _Gather.apply(x, self.grid_idx, self.chunk_pos, fill.to(x.dtype))
         return x.reshape(self.N, self.max_chunks, *x.shape[1:])
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
         """[N, max_chunks, *R] -> per-chunk [n_chunks, *R]."""
         x = x.reshape(self.N * self.max_chunks, *x.shape[2:])
-        return x if self.chunk_pos is None else x[self.chunk_pos]
+        return x if self.chunk_pos is None else _Gather.apply(x, self.chunk_pos, self.grid_idx, None)
+
+
+class _Gather(torch.autograd.Function):
+    """out = src[idx], src = x, or x with the row `fill` appended (read by every idx == len(x)).
+
+    The layouts read every row of x at most once, so the gradient is a gather too: row r of x gets
+    grad[inv[r]], with inv the inverse map (`inv[r] == len(out)` for a row no idx reads: zero). Autograd's
+    own backward of indexing is an accumulating scatter (index_put), several times slower on CPU.
+    x: [R, *D]; idx: [R_out] long; inv: [R] long; fill: [*D] (not differentiated) or None.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fill: torch.Tensor | None):
+        ctx.save_for_backward(inv)
+        ctx.pad = fill is None  # rows of x no idx reads exist exactly when idx reads no fill row
+        src = x if fill is None else torch.cat((x, fill.unsqueeze(0)))
+        return src[idx]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        if ctx.pad:
+            grad = torch.cat((grad, grad.new_zeros(1, *grad.shape[1:])))
+        return grad[inv], None, None, None
 
 
 # Largest within-block decay span exp(span) that the factorised diagonal blocks may produce
