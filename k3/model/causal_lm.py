@@ -61,11 +61,14 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, *, labels: torch.Tensor | None = None,
                 inputs_embeds: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                 cache: HybridCache | None = None, hidden_state_layers: list[int] | None = None,
-                logits_to_keep: int = 0, media: list[torch.Tensor] | None = None,
+                logits_to_keep: int = 0, logits_index: torch.Tensor | None = None,
+                media: list[torch.Tensor] | None = None,
                 media_embeds: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
         """input_ids: [B, T] long (packed [1, total] with `cu_seqlens` [N+1]).
         labels: [B, T] target ids aligned with the inputs (already shifted), -100 = ignore.
         logits_to_keep: if > 0, only the last that many positions get logits (e.g. 1 for decoding).
+        logits_index: long [n] flat positions of the [B * T] grid that get logits (e.g. only the targets
+            of an SFT batch); logits is then [n, V] and `labels` is not taken.
         media / media_embeds: images [3, H, W] and videos [T, 3, H, W] (normalised floats), or their
             `encode_media` output [N, hidden]; they replace the `media_placeholder_token_id` positions
             of input_ids in row-major order (see `embed_with_media`).
@@ -80,6 +83,11 @@ class K3ForCausalLM(nn.Module):
                                hidden_state_layers=hidden_state_layers)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
+        if logits_index is not None:
+            if labels is not None or logits_to_keep:
+                raise ValueError("logits_index selects the positions itself: pass neither labels nor logits_to_keep")
+            return CausalLMOutput(logits=self.lm_head(h.flatten(0, 1).index_select(0, logits_index)), loss=None,
+                                  hidden_states=hidden)
         if labels is not None and labels.shape != h.shape[:2]:
             raise ValueError(f"labels must be {list(h.shape[:2])}, got {list(labels.shape)}")
         if not return_logits:

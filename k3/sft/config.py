@@ -41,8 +41,11 @@ class SFTConfig(TrainConfig):
     lean_distractors: int = 2
     # Effort-conditioned reasoning (k3.sft.effort): the k-th generated conversation of each kind reasons
     # at efforts[k % len(efforts)] and carries that thinking_effort ([] = one-line reasoning, rendered at
-    # `thinking_effort`). The evaluation measures the mean reasoning length at each of them.
-    efforts: list[str] = field(default_factory=lambda: ["low", "high", "max"])
+    # `thinking_effort`); an effort listed twice gets twice the conversations. The evaluation measures the
+    # mean reasoning length at each distinct one. Low is 3 of 5 by default: the tool-call evaluation (and
+    # `k3 eval worlds`) runs at low effort, and low-effort turns (the oracle's one line) are the ones the
+    # tiny model learns to act from first (docs/sft.md, the levers).
+    efforts: list[str] = field(default_factory=lambda: ["low", "high", "low", "max", "low"])
     # Loss weights (k3.sft.weights): the targets that depend on the context -- each called tool's name,
     # argument values, the first `decision_think_tokens` of each reasoning -- weigh `decision_weight`, the
     # rest 1, normalised to a per-token mean (1.0: the plain mean). One process only: torchrun runs
@@ -103,7 +106,8 @@ class SFTConfig(TrainConfig):
 # The CPU recipe for k3-tiny (docs/sft.md has the measurements behind it): rows of 2048 tokens, one a step
 # (twice the updates of 4096-token rows for the same tokens and time), every training trajectory with lean
 # tool declarations (shorter: fewer are cut at the row length), decision tokens weighted 5, a short warmup,
-# about three epochs of a third of the tasks (the tiny model learns a world's tools from repetition).
+# about three epochs of 38 tasks per world and 250 items (the tiny model learns a world's tools from
+# repetition), bf16 compute (1.6x the steps of fp32 in the same time).
 SFT_DEFAULTS: dict[str, Any] = {
     "max_steps": 600, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
     "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from k3.config import ConfigError, K3Config
+from k3.data.packing import IGNORE_INDEX
 from k3.data.tokenizer import load_tokenizer
 from k3.model.causal_lm import K3ForCausalLM
 from k3.sft import eval as sft_eval
@@ -119,8 +120,12 @@ class SFTTrainer(Trainer):
         k3.sft.weights.weighted_loss (logged: the plain mean)."""
         if batch.loss_weights is None or self.par is not None:
             return super().text_loss(batch, ids, labels, cu)
-        logits = self.model(ids, cu_seqlens=cu).logits
-        return weighted_loss(logits, labels, batch.loss_weights.to(logits.device))
+        # logits only at the targets (an SFT row is mostly context with no target: ~1/4 of the lm_head
+        # and softmax work); the same loss as over all positions, ignored ones contributing nothing
+        keep = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+        logits = self.model(ids, cu_seqlens=cu, logits_index=keep).logits
+        weights = batch.loss_weights.to(logits.device).flatten().index_select(0, keep)
+        return weighted_loss(logits, labels.flatten().index_select(0, keep), weights)
 
     def evaluate(self) -> float:
         val = super().evaluate() if self.data.val_batches else float("nan")
@@ -138,7 +143,7 @@ class SFTTrainer(Trainer):
             try:
                 self.heldout = sources.default_heldout(cfg.worlds, cfg.max_difficulty, cfg.eval_tool_turns,
                                                        cfg.eval_instruct_items, cfg.eval_episodes,
-                                                       cfg.eval_effort_prompts, cfg.efforts,
+                                                       cfg.eval_effort_prompts, list(dict.fromkeys(cfg.efforts)),
                                                        cfg.eval_effort_max_new_tokens)
             except ImportError as e:  # no practice worlds in this install: instruction items only
                 self.progress.message(f"note: no world evaluation ({e})")

@@ -66,6 +66,9 @@ def test_default_mix_cycles_efforts_and_renders_the_effort_message(worlds, token
     for c in convs:
         ids, _ = render(c["messages"], tokenizer, c["tools"], thinking_effort=c["thinking_effort"])
         assert f"thinking_effort={c['thinking_effort']}" in tokenizer.decode(ids)
+    mix = ["low", "high", "low", "max", "low"]  # the default's: an effort listed twice gets twice the share
+    assert [c["thinking_effort"] for c in sources.default_train_conversations(["keys"], 5, 3, 5, efforts=mix)] \
+        == mix * 2
     plain = sources.default_train_conversations(["keys"], 3, 3, 3, efforts=[])
     assert all(c["thinking_effort"] is None for c in plain)
     val = sources.validation_conversations(["keys"], 3, 4)

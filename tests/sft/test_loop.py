@@ -57,6 +57,8 @@ def test_run_outputs_and_resume_exactness(base_dir, tmp_path, worlds, monkeypatc
     for r in beh:
         assert r["behaviour"]["tool_calls"]["n"] == 2 and r["behaviour"]["instruct"]["n"] == 2
         assert r["behaviour"]["episodes"]["n"] == 1 and r["behaviour"]["episodes"]["errors"] == 0
+        # the default mix lists low three times: each distinct effort is measured once, in order
+        assert list(r["behaviour"]["thinking"]["mean_think_tokens"]) == ["low", "high", "max"]
     assert json.loads((a / "train_config.json").read_text())["base"] == str(base_dir)
     K3ForCausalLM.from_pretrained(a / "final")  # the official format loads
 

@@ -67,6 +67,15 @@ def test_weighted_loss(base_dir, tokenizer):
     torch.testing.assert_close(mean, plain, rtol=1e-6, atol=1e-6)  # the logged loss stays the plain mean
     ce = torch.nn.functional.cross_entropy(logits[0][valid[0]], batch.labels[valid], reduction="none")
     torch.testing.assert_close(obj, (ce * w[valid]).sum() / ce.numel(), rtol=1e-6, atol=1e-6)
+    # what the SFT loop computes: logits only at the targets (logits_index), the same objective and mean
+    keep = valid.flatten().nonzero().squeeze(1)
+    with torch.no_grad():
+        at = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, logits_index=keep).logits
+        obj_at, mean_at = weighted_loss(at, batch.labels.flatten()[keep], w.flatten()[keep])
+    assert at.shape == (keep.numel(), logits.shape[-1])
+    torch.testing.assert_close(at, logits.flatten(0, 1)[keep], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(obj_at, obj, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mean_at, mean, rtol=1e-6, atol=1e-6)
 
 
 def test_unweighted_docs_give_unweighted_batches(tokenizer):

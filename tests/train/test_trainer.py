@@ -32,6 +32,19 @@ def _losses(out):
     return [r["loss"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
 
 
+def _interrupt_at(monkeypatch, step: int):
+    """Make Trainer.train_step raise KeyboardInterrupt (Ctrl-C) at `step`; returns the real method."""
+    real_step = Trainer.train_step
+
+    def interrupting(self):
+        if self.step == step:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    return real_step
+
+
 def test_resume_continues_the_same_curve(corpus, tmp_path, monkeypatch):
     full = Trainer(_cfg(corpus, tmp_path / "a", tmp_path)).run()
     assert full.steps == 6 and not full.interrupted
@@ -39,14 +52,7 @@ def test_resume_continues_the_same_curve(corpus, tmp_path, monkeypatch):
     assert [r["seq_len"] for r in recs if r.get("event") == "stage"] == [64, 128]
     assert any("val_loss" in r for r in recs) and (tmp_path / "a" / "loss.png").exists()
 
-    real_step = Trainer.train_step
-
-    def interrupting(self):
-        if self.step == 4:
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    real_step = _interrupt_at(monkeypatch, 4)
     cut = Trainer(_cfg(corpus, tmp_path / "b", tmp_path)).run()
     assert cut.interrupted and cut.steps == 4 and not (tmp_path / "b" / "final").exists()
     monkeypatch.setattr(Trainer, "train_step", real_step)
@@ -288,14 +294,7 @@ def test_cpu_bf16_is_close_to_fp32_and_resumes_exactly(corpus, tmp_path, monkeyp
     assert fp32.steps == full.steps == 4
     la, lf = _losses(tmp_path / "a"), _losses(tmp_path / "f")
     assert la[0] == pytest.approx(lf[0], rel=2e-2) and la[-1] < la[0]
-    real_step = Trainer.train_step
-
-    def interrupting(self):
-        if self.step == 2:
-            raise KeyboardInterrupt
-        return real_step(self)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupting)
+    real_step = _interrupt_at(monkeypatch, 2)
     assert Trainer(_cfg(corpus, tmp_path / "b", tmp_path, cpu_bf16=True, **kw)).run().interrupted
     monkeypatch.setattr(Trainer, "train_step", real_step)
     assert Trainer(_cfg(corpus, tmp_path / "b", tmp_path, cpu_bf16=True, **kw), resume=True).run().steps == 4
