@@ -304,8 +304,8 @@ def _sdpa(q, k, v, mask, *, causal: bool, scale: float) -> torch.Tensor:
     if isinstance(mask, CausalBias):  # lower-right causal: query t sees keys <= t + S - T
         T, S = q.shape[-2], k.shape[-2]
         mask, causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T), False
-    # CPU: PyTorch's flash kernel (fp32 softmax and accumulation, also for bf16; ~2.5x the math path's
-    # speed in fp32) takes one head size, so v is zero-padded to q's and the output sliced back.
+    # CPU: PyTorch's flash kernel (fp32 softmax and accumulation, also for bf16; far faster than the math
+    # path, which materialises the scores) takes one head size, so v is zero-padded to q's and sliced back.
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv > dqk or q.shape[-2] == 0 or k.shape[-2] == 0:
         return _sdpa_fp32(q, k, v, mask, causal=causal, scale=scale)

@@ -132,7 +132,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """z: [N, L]; idx, w: [N, k] -> sum_k w * round_to_dtype(E_idx(z)) accumulated in fp32, [N, L] in the
-        experts' output dtype (bf16 under autocast; the cast fused into the sum).
+        experts' output dtype (bf16 under CUDA autocast; the cast fused into the sum).
 
         Tokens are permuted into expert-sorted slots once (a gather, whose backward is a gather and a
         k-way sum, no atomics) and combined back once (a gather fused with the fp32 weighting)."""

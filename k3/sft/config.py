@@ -107,7 +107,7 @@ class SFTConfig(TrainConfig):
 # (twice the updates of 4096-token rows for the same tokens and time), every training trajectory with lean
 # tool declarations (shorter: fewer are cut at the row length), decision tokens weighted 5, a short warmup,
 # about three epochs of 38 tasks per world and 250 items (the tiny model learns a world's tools from
-# repetition), bf16 compute (1.6x the steps of fp32 in the same time).
+# repetition), bf16 compute on the CPU (more steps in the same time).
 SFT_DEFAULTS: dict[str, Any] = {
     "max_steps": 600, "tokens_per_step": 2048, "stages": [Stage(2048, 1.0)],
     "lr": 3e-3, "adamw_lr": 3e-3, "warmup_steps": 12, "decay_fraction": 0.3,

@@ -70,8 +70,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     # CPU only: train like on CUDA, with bf16 autocast (the model's matmuls and attention; fp32 master
-    # weights, losses, KDA recurrence and expert GEMMs) and Muon's Newton-Schulz in bf16. ~1.5x a step
-    # on CPUs with native bf16 (AVX512-BF16 or AMX); False = fp32 throughout. CUDA always trains this way.
+    # weights, losses, KDA recurrence and expert GEMMs) and Muon's Newton-Schulz in bf16: faster on CPUs
+    # with native bf16 (AVX512-BF16 or AMX; docs/training.md); False = fp32 throughout. CUDA always trains
+    # this way.
     cpu_bf16: bool = False
     # Quantisation-aware training of the routed experts (k3.quant.qat): "mxfp4" (weights), "mxfp4,mxfp8"
     # (+ the experts' input activations) or None. The final export then stores the experts packed MXFP4.
@@ -173,8 +174,8 @@ class TrainConfig:
 # warmup and stage fractions here are a starting point in the range public Muon runs of this size
 # use, not the official values.
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
-    # k3-tiny is the CPU recipe: bf16 autocast and bf16 Newton-Schulz on the CPU (1.6x a step on a CPU
-    # with native bf16; docs/training.md); the dataclass defaults are otherwise k3-tiny's.
+    # k3-tiny is the CPU recipe: bf16 autocast and bf16 Newton-Schulz on the CPU (docs/training.md); the
+    # dataclass defaults are otherwise k3-tiny's.
     "k3-tiny": {"cpu_bf16": True},
     "k3-small": {
         "max_steps": 4000, "tokens_per_step": 1 << 19, "micro_batch_tokens": 1 << 16,

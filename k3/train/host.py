@@ -1,11 +1,11 @@
 """Host-memory policy for training on the CPU.
 
 A training step allocates and frees the same large tensors every step (logits, attention and Muon
-buffers, 10-60 MB each). glibc serves blocks above its mmap threshold (128 KB, adapting up to 32 MB)
-with fresh mmap()ed pages and unmaps them on free, so every step pays a page fault per 4 KB touched:
-filling a fresh 32 MB tensor runs at ~4 GB/s on a 2-core VM instead of ~50 GB/s for reused memory,
-about 10% of a k3-tiny step. Keeping freed memory in the heap for reuse removes that; the cost is a
-resident set that stays at the run's peak, which a training process reaches anyway.
+buffers, tens of MB each). glibc serves blocks above its mmap threshold (128 KB, adapting up to 32 MB)
+with fresh mmap()ed pages and unmaps them on free, so every step pays a page fault per 4 KB touched, an
+order of magnitude slower than writing reused memory (docs/training.md has the measurement). Keeping
+freed memory in the heap for reuse removes that; the cost is a resident set that stays at the run's
+peak, which a training process reaches anyway.
 """
 
 from __future__ import annotations
