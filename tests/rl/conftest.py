@@ -46,3 +46,12 @@ def tiny_model(tokenizer, seed: int = 0) -> K3ForCausalLM:
 @pytest.fixture(scope="session")
 def model(tokenizer):
     return tiny_model(tokenizer).eval()
+
+
+def length_reward(msg: dict, env: object) -> float:
+    """A stand-in reward for a random model (which never solves the tasks): the reply's length in
+    characters mod 97, scaled to [0, 1]. Two replies of a group get the same reward only if their lengths
+    agree mod 97, so groups have non-zero advantages and the update path runs (a parity reward left every
+    group uniform whenever the samples' lengths happened to share a parity)."""
+    text = (msg.get("reasoning_content") or "") + (msg.get("content") or "")
+    return (len(text) % 97) / 96

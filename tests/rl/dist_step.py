@@ -1,5 +1,5 @@
 """Helper of tests/rl/test_dist.py, run as one process or under torchrun: `k3 rl` for 2 steps on a fixed
-base with parity rewards (a random model never solves arithmetic); rank 0 writes the step losses, the
+base with length rewards (a random model never solves arithmetic); rank 0 writes the step losses, the
 gradient norms and a checksum of the exported weights as JSON to OUT/result.json."""
 
 import json
@@ -14,10 +14,7 @@ from k3.rl.effort import EffortConfig
 from k3.rl.loop import RLConfig, RLTrainer
 from k3.rl.rollout import RolloutConfig
 from k3.train.metrics import read_metrics
-
-
-def parity(msg, env):
-    return float(len((msg.get("reasoning_content") or "") + (msg.get("content") or "")) % 2)
+from tests.rl.conftest import length_reward
 
 
 def main(base: str, out: str) -> None:
@@ -28,7 +25,7 @@ def main(base: str, out: str) -> None:
                    rollout=RolloutConfig(group_size=2, batch_groups=2, threshold=0.5))
     trainer = RLTrainer(cfg, dist=dist)
     for t in trainer.train_tasks:
-        t.score = parity
+        t.score = length_reward
     trainer.run()
     if dist is None or dist.rank == 0:
         recs = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if "event" not in r]

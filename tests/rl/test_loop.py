@@ -11,7 +11,7 @@ from k3.rl.loop import RLConfig, RLTrainer
 from k3.rl.rollout import RolloutConfig
 from k3.train.metrics import read_metrics
 
-from tests.rl.conftest import tiny_model
+from tests.rl.conftest import length_reward, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +29,16 @@ def _cfg(base, out, steps):
                     rollout=RolloutConfig(group_size=2, batch_groups=2, threshold=0.5), device="cpu")
 
 
-def _parity_tasks(trainer):
-    """A random model never solves arithmetic; reward the parity of the reply's length instead, so
+def _length_reward_tasks(trainer):
+    """A random model never solves arithmetic; reward the reply's length instead (`length_reward`), so
     groups have non-zero advantages and the update path runs."""
     for t in trainer.train_tasks:
-        t.score = lambda msg, env: float(len(msg.get("reasoning_content", "") + msg.get("content", "")) % 2)
+        t.score = length_reward
 
 
 def test_rl_loop_runs_logs_exports_and_resumes(base, tmp_path):
     trainer = RLTrainer(_cfg(base, tmp_path, 2))
-    _parity_tasks(trainer)
+    _length_reward_tasks(trainer)
     w0 = trainer.model.lm_head.weight.detach().clone()
     res = trainer.run()
     assert not torch.equal(w0, trainer.model.lm_head.weight)
@@ -55,7 +55,7 @@ def test_rl_loop_runs_logs_exports_and_resumes(base, tmp_path):
     cfg = _cfg(base, tmp_path, 3)
     cfg.eval_tasks, cfg.plots = 0, False
     trainer = RLTrainer(cfg, resume=True)
-    _parity_tasks(trainer)
+    _length_reward_tasks(trainer)
     assert trainer.step == 2 and trainer.before == res.before
     res2 = trainer.run()
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "event" not in r]
@@ -78,7 +78,7 @@ def test_separate_serving_copy_is_synced_after_each_update(base, tmp_path):
     cfg = _cfg(base, tmp_path, 2)
     cfg.eval_tasks, cfg.plots, cfg.serve_dtype = 0, False, "float32"
     trainer = RLTrainer(cfg)
-    _parity_tasks(trainer)
+    _length_reward_tasks(trainer)
     assert trainer.engine.model is not trainer.model
     w0 = trainer.model.lm_head.weight.detach().clone()
     trainer.run()
