@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--thinking-effort", choices=("low", "medium", "high", "max"), default=None,
                    help="effort rendered for conversations that set none (default low)")
     p.add_argument("--no-eval-base", action="store_true", help="skip the base model's evaluation at step 0")
+    p.add_argument("--eval-only", action="store_true",
+                   help="no training: evaluate --base on the held-out set (the config's eval_* keys, e.g. "
+                        "eval_tool_turns) and print the summary line and the JSON record")
     p.add_argument("--deterministic", action="store_true", help="deterministic algorithms (1 thread on CPU)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         print("error: --resume needs --out DIR (the run to continue)", file=sys.stderr)
         return 2
     cfg = build_config(args)
+    if args.eval_only:
+        return _eval_only(cfg)
     result, behaviour = sft(cfg, resume=args.resume, ep=args.ep, cp=args.cp)
     if result.interrupted:
         print(f"interrupted; resume with: k3 sft --out {result.out_dir} --resume", file=sys.stderr)
@@ -74,4 +79,16 @@ def run(args: argparse.Namespace) -> int:
           f"{result.last_val_loss:.3f}; final checkpoint {result.out_dir}/final")
     for rec in behaviour:
         print(f"{'base' if rec['step'] == 0 else 'step ' + str(rec['step'])}: {summary(rec)}")
+    return 0
+
+
+def _eval_only(cfg) -> int:  # noqa: ANN001
+    import json
+
+    from k3.sft.eval import summary
+    from k3.sft.loop import evaluate_checkpoint
+
+    rec = evaluate_checkpoint(cfg)
+    print(f"{cfg.base}: {summary(rec)}")
+    print(json.dumps(rec))
     return 0

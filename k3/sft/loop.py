@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
 
 from k3.config import ConfigError, K3Config
 from k3.data.packing import IGNORE_INDEX
@@ -139,16 +140,7 @@ class SFTTrainer(Trainer):
     # ---- behavioural evaluation
     def _heldout(self) -> sources.HeldOut:
         if self.heldout is None:
-            cfg = self.cfg
-            try:
-                self.heldout = sources.default_heldout(cfg.worlds, cfg.max_difficulty, cfg.eval_tool_turns,
-                                                       cfg.eval_instruct_items, cfg.eval_episodes,
-                                                       cfg.eval_effort_prompts, list(dict.fromkeys(cfg.efforts)),
-                                                       cfg.eval_effort_max_new_tokens)
-            except ImportError as e:  # no practice worlds in this install: instruction items only
-                self.progress.message(f"note: no world evaluation ({e})")
-                self.heldout = sources.HeldOut(instruct_items=instruct.instruct_items(
-                    "heldout", cfg.eval_instruct_items))
+            self.heldout = heldout_for(self.cfg, self.progress.message)
         return self.heldout
 
     def evaluate_behaviour(self) -> dict[str, Any] | None:
@@ -172,6 +164,30 @@ class SFTTrainer(Trainer):
         self.behaviour.append({"step": self.step, **rec})
         self.progress.message(f"{label}: {sft_eval.summary(rec)}")
         return rec
+
+
+def heldout_for(cfg: SFTConfig, message: Any = print) -> sources.HeldOut:
+    """The held-out set the config's eval keys describe (never trained on)."""
+    try:
+        return sources.default_heldout(cfg.worlds, cfg.max_difficulty, cfg.eval_tool_turns, cfg.eval_instruct_items,
+                                       cfg.eval_episodes, cfg.eval_effort_prompts, list(dict.fromkeys(cfg.efforts)),
+                                       cfg.eval_effort_max_new_tokens)
+    except ImportError as e:  # no practice worlds in this install: instruction items only
+        message(f"note: no world evaluation ({e})")
+        return sources.HeldOut(instruct_items=instruct.instruct_items("heldout", cfg.eval_instruct_items))
+
+
+def evaluate_checkpoint(cfg: SFTConfig) -> dict[str, Any]:
+    """`k3 sft --eval-only`: the behavioural evaluation of the checkpoint `cfg.base` alone (no training), on
+    the held-out set of the config's eval keys -- the record a run writes for its base and its result."""
+    tok = load_tokenizer(_require_base(cfg))
+    model = K3ForCausalLM.from_pretrained(cfg.base, dtype="float32")
+    model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    agent = sft_eval.make_agent(model, tok, thinking_effort=cfg.thinking_effort, max_new_tokens=cfg.eval_max_new_tokens)
+    try:
+        return sft_eval.evaluate_behaviour(agent, heldout_for(cfg), cfg.eval_max_turns, lambda text: len(tok.encode(text)))
+    finally:
+        agent.close()
 
 
 def sft(cfg: SFTConfig, resume: bool = False, ep: int = 1, cp: int = 1) -> tuple[TrainResult, list[dict[str, Any]]]:

@@ -79,3 +79,24 @@ def test_run_outputs_and_resume_exactness(base_dir, tmp_path, worlds, monkeypatc
     sa = torch.load(a / "checkpoint" / "train_state.pt", weights_only=False)["model"]
     sb = torch.load(tmp_path / "b" / "checkpoint" / "train_state.pt", weights_only=False)["model"]
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_eval_only_scores_a_checkpoint_without_training(base_dir, tmp_path, worlds, capsys):
+    """`k3 sft --base DIR --eval-only`: the held-out record of the checkpoint alone (the config's eval keys),
+    a summary line and the JSON record; nothing is trained or written."""
+    from k3.cli import build_parser
+
+    cfg = tmp_path / "eval.json"
+    cfg.write_text(json.dumps({"worlds": ["keys"], "eval_tool_turns": 3, "eval_instruct_items": 2, "eval_episodes": 1,
+                               "eval_max_turns": 2, "eval_max_new_tokens": 4, "eval_effort_prompts": 2,
+                               "eval_effort_max_new_tokens": 4}))
+    out = tmp_path / "nothing"
+    args = build_parser().parse_args(["sft", "--base", str(base_dir), "--eval-only", "--config", str(cfg),
+                                      "--out", str(out), "--device", "cpu"])
+    assert args.func(args) == 0
+    summary, record = capsys.readouterr().out.strip().splitlines()[-2:]
+    rec = json.loads(record)
+    assert summary.startswith(f"{base_dir}: tool-call valid") and rec["tool_calls"]["n"] == 3
+    assert rec["instruct"]["n"] == 2 and rec["episodes"]["n"] == 1
+    assert list(rec["thinking"]["mean_think_tokens"]) == ["low", "high", "max"]
+    assert not out.exists()
