@@ -149,13 +149,9 @@ class SFTTrainer(Trainer):
         heldout = self._heldout()
         # the serving engine picks its own KDA backend: training continues on the one it had
         backends = {m: m.kda_backend for m in self.model.modules() if hasattr(m, "kda_backend")}
-        agent = sft_eval.make_agent(self.model, self.tokenizer, thinking_effort=self.cfg.thinking_effort,
-                                    max_new_tokens=self.cfg.eval_max_new_tokens)
         try:
-            rec = sft_eval.evaluate_behaviour(agent, heldout, self.cfg.eval_max_turns,
-                                              lambda text: len(self.tokenizer.encode(text)))
+            rec = run_behaviour(self.model, self.tokenizer, self.cfg, heldout)
         finally:
-            agent.close()
             for m, b in backends.items():
                 m.kda_backend = b
             self.model.train()
@@ -183,9 +179,16 @@ def evaluate_checkpoint(cfg: SFTConfig) -> dict[str, Any]:
     tok = load_tokenizer(_require_base(cfg))
     model = K3ForCausalLM.from_pretrained(cfg.base, dtype="float32")
     model.to(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    agent = sft_eval.make_agent(model, tok, thinking_effort=cfg.thinking_effort, max_new_tokens=cfg.eval_max_new_tokens)
+    return run_behaviour(model, tok, cfg, heldout_for(cfg))
+
+
+def run_behaviour(model: K3ForCausalLM, tokenizer: Any, cfg: SFTConfig, heldout: sources.HeldOut) -> dict[str, Any]:
+    """k3.sft.eval.evaluate_behaviour of `model` on `heldout` through a greedy engine agent with the config's
+    effort, token and turn limits (the agent is closed afterwards)."""
+    agent = sft_eval.make_agent(model, tokenizer, thinking_effort=cfg.thinking_effort,
+                                max_new_tokens=cfg.eval_max_new_tokens)
     try:
-        return sft_eval.evaluate_behaviour(agent, heldout_for(cfg), cfg.eval_max_turns, lambda text: len(tok.encode(text)))
+        return sft_eval.evaluate_behaviour(agent, heldout, cfg.eval_max_turns, lambda text: len(tokenizer.encode(text)))
     finally:
         agent.close()
 

@@ -24,8 +24,8 @@ from k3.optim.balance_baselines import make_balancer
 from k3.quant.qat import QATConfig, apply_qat
 from k3.train.config import TrainConfig, lr_factor, stage_at
 from k3.train.data import TrainData, prepare_data
-from k3.train.host import keep_freed_memory
 from k3.train.flops import BYTES_PER_PARAM, batch_flops, flops_per_token, peak_bf16_flops
+from k3.train.host import keep_freed_memory
 from k3.train.metrics import MetricsLog, Progress, balance_record, plot_balance, plot_losses, truncate_metrics
 from k3.train.state import load_state, rng_state, save_run_config, save_state, set_rng_state, state_path
 from k3.train.vision import VisionData, joint_loss, param_groups, prepare_vision_data

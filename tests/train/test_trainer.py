@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from k3.config import ConfigError
 from k3.train.config import Stage, TrainConfig, lr_factor, stage_at
 from k3.train.metrics import read_metrics
 from k3.train.trainer import Trainer
@@ -302,5 +303,5 @@ def test_cpu_bf16_is_close_to_fp32_and_resumes_exactly(corpus, tmp_path, monkeyp
 
 
 def test_cpu_bf16_must_be_a_bool(corpus, tmp_path):
-    with pytest.raises(Exception, match="cpu_bf16"):
+    with pytest.raises(ConfigError, match="cpu_bf16"):
         _cfg(corpus, tmp_path / "x", tmp_path, cpu_bf16="yes").validate()
